@@ -1,0 +1,388 @@
+"""Run configuration: dataclasses, YAML, command-line overrides.
+
+Precedence is defaults < YAML (``--config``) < command line. Every key has one flat name, unique
+across sections, so ``--kl_coef 0.01`` and a YAML ``kl_coef: 0.01`` (at the top level or under any
+section heading) mean the same thing. The user's settings are never mutated after loading; values
+derived from them live in :class:`Derived`.
+
+Bad input raises :class:`ConfigError` with one line that names the key; ``train_dapo.py`` prints
+it and exits with status 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message is one line naming the key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str = "runs/demo_assets/model"
+    reward_model: Optional[str] = None  # a sequence-classification model; when set it replaces reward_fn
+    reward_fn: str = "math_answer"  # built-in rule name or "module:function"
+    rollout_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
+    learner_dtype: Literal["fp32", "bf16"] = "bf16"
+    gradient_checkpointing: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)  # stop ids on top of the tokenizer's EOS
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "runs/demo_assets/train.jsonl"
+    val_dataset: Optional[str] = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    system_prompt: Optional[str] = None
+    max_prompt_length: int = 2048
+    overlong_prompts: Literal["drop", "truncate_left"] = "drop"
+    skip_bad_rows: bool = False
+    bucket_size: int = 1024
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    max_response_length: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    sample_num: int = 8
+    prompts_per_step: int = 32
+    dynamic_sampling: bool = True
+    dynamic_sampling_metric: Literal["reward", "acc"] = "reward"
+    max_gen_batches: int = 10
+    val_temperature: float = 0.0  # 0 = greedy validation
+    val_max_prompts: int = 0  # 0 = the whole validation set
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 10.0
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    norm_adv_by_std: bool = True
+    kl_coef: float = 0.0
+    kl_coef_init: Optional[float] = None  # used for the first kl_warmup_steps; None = kl_coef throughout
+    kl_warmup_steps: int = 0
+    kl_type: Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"] = "low_var_kl"
+    length_penalty_coef: float = 0.0
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    entropy_coeff: float = 0.0
+    tis_cap: float = 0.0  # truncated importance sampling cap; 0 = off
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 1e-6
+    lr_warmup_steps: int = 0
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    per_device_batch_size: int = 4
+    gradient_accumulation_steps: int = 8
+    ppo_epochs: int = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    config: Optional[str] = None
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    seed: int = 0
+    output_dir: str = "runs/dapo"
+    overwrite_output_dir: bool = False
+    max_steps: int = 100
+    log_every: int = 1
+    val_every: int = 10
+    save_every: int = 1
+    keep_last: int = 3
+    resume_from_checkpoint: Optional[str] = None  # "auto" or a step folder
+    learner_ranks: int = 2
+    max_staleness: int = 1
+    dist_timeout_s: float = 600.0
+    weight_sync_bucket_mb: int = 256
+    length_alarm_steps: int = 20
+    overfit_alarm_checks: int = 3
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "algo": AlgoConfig,
+    "optim": OptimConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def flat(self) -> dict[str, Any]:
+        return {name: getattr(getattr(self, section), name) for name, section in KEY_SECTION.items()}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump({s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}, sort_keys=False)
+
+
+def _section_of_each_key() -> dict[str, str]:
+    owner: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in owner, f"config key {f.name!r} is defined in both {owner.get(f.name)} and {section}"
+            owner[f.name] = section
+    return owner
+
+
+KEY_SECTION = _section_of_each_key()
+_FIELD_TYPES = {
+    name: typing.get_type_hints(SECTIONS[section])[name] for name, section in KEY_SECTION.items()
+}
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, KEY_SECTION, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown config key '{key}'{where}{hint}")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _type_name(inner[0]) + " or null"
+    if origin is list:
+        return "a list of " + {int: "integers", float: "numbers", str: "strings"}[typing.get_args(tp)[0]]
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def _parse_text(text: str) -> Any:
+    """A command-line value read the way YAML reads a scalar: 1e-6, true, null, [1, 2]."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def coerce(key: str, value: Any, tp: Any = None) -> Any:
+    """Return ``value`` as the declared type of ``key``; raise ConfigError naming key and type."""
+    tp = _FIELD_TYPES[key] if tp is None else tp
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return coerce(key, value, next(a for a in typing.get_args(tp) if a is not type(None)))
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise bad
+        return value
+    if origin is list:
+        items = _parse_text(value) if isinstance(value, str) else value
+        if isinstance(items, (int, float)) and not isinstance(items, bool):
+            items = [items]
+        if not isinstance(items, list):
+            raise bad
+        try:
+            return [coerce(key, item, typing.get_args(tp)[0]) for item in items]
+        except ConfigError:
+            raise bad from None
+    if isinstance(value, str) and tp is not str:
+        value = _parse_text(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise bad
+        return str(value)
+    raise AssertionError(f"config key {key!r} has a type the loader does not handle: {tp}")
+
+
+def _flatten_yaml(doc: Any, path: str) -> dict[str, Any]:
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys at the top level")
+    flat: dict[str, Any] = {}
+    for key, value in doc.items():
+        key = str(key)
+        if key in SECTIONS and key not in KEY_SECTION and isinstance(value, dict):
+            entries = value.items()
+        else:
+            entries = [(key, value)]
+        for name, item in entries:
+            if name not in KEY_SECTION:
+                raise _unknown_key(str(name), f" in {path}")
+            if name in flat:
+                raise ConfigError(f"{path}: config key '{name}' is set twice")
+            flat[name] = item
+    return flat
+
+
+def _parse_cli(argv: list[str]) -> dict[str, str]:
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument '{arg}': options look like --key value")
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if name not in KEY_SECTION:
+            raise _unknown_key(name, " on the command line")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"option --{name} needs a value")
+            i += 1
+            value = argv[i]
+        overrides[name] = value
+        i += 1
+    return overrides
+
+
+def load_config(argv: list[str]) -> Config:
+    """Build the run's Config from the command line (which may name a YAML file with --config)."""
+    cli = _parse_cli(argv)
+    values: dict[str, Any] = {}
+    if cli.get("config"):
+        path = cli["config"]
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}:{where} is not valid YAML") from None
+        values.update(_flatten_yaml(doc, path))
+    values.update(cli)
+    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for name, value in values.items():
+        sections[KEY_SECTION[name]][name] = coerce(name, value)
+    cfg = Config(**{s: SECTIONS[s](**kw) for s, kw in sections.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Reject values no run can use; each message names the key and the allowed range."""
+    checks = [
+        (cfg.rollout.sample_num >= 1, "sample_num must be >= 1"),
+        (cfg.rollout.prompts_per_step >= 1, "prompts_per_step must be >= 1"),
+        (cfg.rollout.max_response_length >= 1, "max_response_length must be >= 1"),
+        (cfg.rollout.temperature > 0, "temperature must be > 0 (use val_temperature 0 for greedy validation)"),
+        (0 < cfg.rollout.top_p <= 1, "top_p must be in (0, 1]"),
+        (cfg.rollout.max_gen_batches >= 0, "max_gen_batches must be >= 0 (0 = no limit)"),
+        (cfg.data.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
+        (cfg.data.bucket_size >= 1, "bucket_size must be >= 1"),
+        (cfg.algo.clip_ratio_low >= 0 and cfg.algo.clip_ratio_high >= 0, "clip_ratio_low/high must be >= 0"),
+        (cfg.algo.clip_ratio_low < 1, "clip_ratio_low must be < 1: it is an epsilon, the ratio floor is 1 - clip_ratio_low"),
+        (cfg.algo.clip_ratio_c > 1, "clip_ratio_c must be > 1 (dual clip)"),
+        (0 <= cfg.algo.overlong_buffer_len <= cfg.rollout.max_response_length,
+         "overlong_buffer_len must be in [0, max_response_length]"),
+        (cfg.optim.learning_rate > 0, "learning_rate must be > 0"),
+        (cfg.optim.per_device_batch_size >= 1, "per_device_batch_size must be >= 1"),
+        (cfg.optim.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
+        (cfg.optim.ppo_epochs >= 1, "ppo_epochs must be >= 1"),
+        (cfg.run.max_steps >= 1, "max_steps must be >= 1"),
+        (cfg.run.learner_ranks >= 1, "learner_ranks must be >= 1"),
+        (cfg.run.max_staleness in (0, 1), "max_staleness must be 0 or 1"),
+        (cfg.run.save_every >= 0, "save_every must be >= 0 (0 = never)"),
+        (cfg.run.keep_last >= 1, "keep_last must be >= 1"),
+        (cfg.run.log_every >= 1 and cfg.run.val_every >= 0, "log_every must be >= 1 and val_every >= 0"),
+        (cfg.run.dist_timeout_s > 0, "dist_timeout_s must be > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def warnings_for(cfg: Config) -> list[str]:
+    """Legal but suspicious settings, printed at start-up."""
+    notes = []
+    if cfg.algo.clip_ratio_high >= 1:
+        notes.append(
+            f"clip_ratio_high={cfg.algo.clip_ratio_high} is an epsilon, so the ratio may reach "
+            f"{1 + cfg.algo.clip_ratio_high:g}; DAPO uses 0.28 (the article's 1.1 reads like a ratio bound)"
+        )
+    if cfg.algo.clip_ratio_high < cfg.algo.clip_ratio_low:
+        notes.append("clip_ratio_high < clip_ratio_low: this is the opposite of DAPO's clip-higher")
+    if cfg.optim.learning_rate > 1e-5 and "demo" not in cfg.model.model_path:
+        notes.append(f"learning_rate={cfg.optim.learning_rate:g} is high for RL on a large MoE model (article 5.4: ~1e-6)")
+    if cfg.algo.kl_coef_init is not None and cfg.algo.kl_warmup_steps == 0:
+        notes.append("kl_coef_init is set but kl_warmup_steps is 0, so it is never used")
+    return notes
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values computed from the config and the launch, kept apart from the user's settings."""
+
+    world_size: int
+    num_rollout_ranks: int
+    num_learner_ranks: int
+    sequences_per_step: int  # prompts_per_step * sample_num
+    minibatch_sequences: int  # per learner rank per optimizer step
+    optimizer_steps_per_step: int
+
+    @staticmethod
+    def of(cfg: Config, world_size: int) -> "Derived":
+        learners = min(cfg.run.learner_ranks, world_size) if world_size > 1 else 1
+        if world_size > 1 and world_size <= cfg.run.learner_ranks:
+            raise ConfigError(
+                f"learner_ranks={cfg.run.learner_ranks} leaves no rollout rank in a world of {world_size}; "
+                f"use learner_ranks < {world_size}"
+            )
+        sequences = cfg.rollout.prompts_per_step * cfg.rollout.sample_num
+        per_rank_mb = cfg.optim.per_device_batch_size * cfg.optim.gradient_accumulation_steps
+        if sequences % (per_rank_mb * learners):
+            raise ConfigError(
+                f"prompts_per_step * sample_num = {sequences} sequences must split evenly into mini-batches of "
+                f"per_device_batch_size * gradient_accumulation_steps = {per_rank_mb} per learner rank "
+                f"x {learners} learner rank(s)"
+            )
+        return Derived(
+            world_size=world_size,
+            num_rollout_ranks=world_size - learners if world_size > 1 else 1,
+            num_learner_ranks=learners,
+            sequences_per_step=sequences,
+            minibatch_sequences=per_rank_mb,
+            optimizer_steps_per_step=sequences // (per_rank_mb * learners) * cfg.optim.ppo_epochs,
+        )
+
+
+def exit_on_config_error(error: ConfigError) -> typing.NoReturn:
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,827 @@
+"""Datasets to chat-templated prompts, length statistics and buckets, reward checks, demo assets.
+
+What this file owns
+- `load_prompts`: a JSONL / JSON / Parquet file of rows -> system + user prompts rendered with
+  the policy's chat template and tokenized (article 3.3: the response is left empty, the policy
+  writes it during training).
+- `bucketed_batches` / `bucket_bound`: length buckets for generation, so the rollout pads each
+  batch to one of a few fixed widths instead of to whatever its longest prompt happens to be.
+- `python data_prep.py stats`: prompt-length percentiles, a proposed bucket size and the
+  padding it costs (article 3.3: "measure the lengths first, then cut into buckets").
+- `python data_prep.py reward-check`: the reward distribution over a dataset before training
+  (article 5.4: a reward with almost no spread gives the policy nothing to learn from).
+- `python data_prep.py demo`: the offline demo assets (tiny Qwen3-MoE, tokenizer, task data).
+
+Dataset rows
+Each row is an object whose `prompt_key` field is either a string (the user message) or a
+list of chat messages ``[{"role": ..., "content": ...}, ...]`` ending with a user message, and
+whose optional `answer_key` field is the reference answer (a string; numbers are converted).
+A missing and a null field are the same thing. Errors name the place in the file:
+- JSONL: ``FILE:LINE: ...`` with the 1-based line number (blank lines count as lines);
+- JSON and Parquet: ``FILE: row N: ...`` with the 1-based row number.
+`PromptSet.source_rows` holds those same numbers. JSON and JSONL are parsed with the `json`
+module, not with `datasets`: the `datasets` JSON loader reports no line numbers and coerces
+mixed-type columns (an answer "2" next to a numeric answer came back as the number 2).
+Parquet, which is typed, is read with `datasets`.
+
+Demo task
+Prompts ``a+b=`` with single-digit operands (100 problems), answer the sum. RL did not
+generalise to held-out operand pairs at this model size (PLATFORM.md), so the demo does not
+pretend to measure generalisation: val.jsonl is all 100 problems and train.jsonl is the same
+100 problems, shuffled. Validation accuracy therefore measures how well the policy has learnt
+the task's own problems. RL from a random init never learns this task (the policy collapses
+onto one constant answer), so the build ends with a short supervised warm start that is
+stopped as soon as greedy answers depend on the operands and a few are right; see
+`build_demo_assets`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """Bad user input (file, row, field, model folder); the message is one line naming it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading rows
+
+OVERLONG_MODES = ("drop", "truncate_left")
+
+
+@dataclass
+class PromptRows:
+    """Validated rows of a dataset file, before rendering."""
+
+    messages: list[list[dict[str, str]]] = field(default_factory=list)
+    answers: list[Optional[str]] = field(default_factory=list)
+    source_rows: list[int] = field(default_factory=list)  # JSONL: line number; else 1-based row
+    locations: list[str] = field(default_factory=list)  # "FILE:LINE" / "FILE: row N", for messages
+    num_bad_rows: int = 0
+
+
+@dataclass
+class PromptSet:
+    """Prompts ready for generation, index-aligned."""
+
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str]  # rendered by the chat template (after truncation, if any)
+    answers: list[Optional[str]]
+    source_rows: list[int]  # JSONL: 1-based line number; JSON / Parquet: 1-based row number
+    num_bad_rows: int = 0
+    num_overlong_dropped: int = 0
+    num_truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, str, Any]]:
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_number}"
+        try:
+            yield line_number, where, json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield line_number, where, DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})")
+
+
+def _json_records(path: Path, text: str) -> Iterator[tuple[int, str, Any]]:
+    """A list of row objects, an object holding such a list under "data", or JSON Lines."""
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    else:
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError:
+            document = None  # JSON Lines in a .json file, as Dataset.to_json writes them
+        if not (isinstance(document, dict) and isinstance(document.get("data"), list)):
+            yield from _jsonl_records(path, text)
+            return
+        rows = document["data"]
+    for row_number, row in enumerate(rows, start=1):
+        yield row_number, f"{path}: row {row_number}", row
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[int, str, Any]]:
+    import datasets
+
+    try:
+        table = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as exc:  # arrow raises its own types for damaged files
+        raise DataError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
+    for row_number, row in enumerate(table, start=1):
+        yield row_number, f"{path}: row {row_number}", row
+
+
+def _records(path: Path) -> Iterator[tuple[int, str, Any]]:
+    """(source row number, location for messages, row object or a DataError for that row)."""
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _parquet_records(path)
+    if suffix not in (".jsonl", ".json"):
+        raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r} (expected .jsonl, .json or .parquet)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return _jsonl_records(path, text) if suffix == ".jsonl" else _json_records(path, text)
+
+
+def _row_messages(row: Any, prompt_key: str, system_prompt: Optional[str]) -> list[dict[str, str]]:
+    if not isinstance(row, dict):
+        raise DataError(f"expected an object with a {prompt_key!r} field, got {type(row).__name__}")
+    prompt = row.get(prompt_key)
+    if prompt is None:
+        raise DataError(f"missing field {prompt_key!r}")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{prompt_key!r} is empty")
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt:
+        for message in prompt:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise DataError(f"{prompt_key!r}: each chat message must be an object with string 'role' and 'content'")
+        if prompt[-1]["role"] != "user":
+            raise DataError(f"{prompt_key!r}: the last chat message must have role 'user', got {prompt[-1]['role']!r}")
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    else:
+        raise DataError(f"{prompt_key!r} must be a string or a list of chat messages, got {type(prompt).__name__}")
+    if system_prompt is not None and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _row_answer(row: dict[str, Any], answer_key: str) -> Optional[str]:
+    answer = row.get(answer_key)
+    if answer is None or isinstance(answer, str):
+        return answer
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        return str(answer)
+    raise DataError(f"{answer_key!r} must be a string or a number, got {type(answer).__name__}")
+
+
+def read_rows(path: str | os.PathLike, *, prompt_key: str = "prompt", answer_key: str = "answer",
+              system_prompt: Optional[str] = None, skip_bad_rows: bool = False) -> PromptRows:
+    """Read and validate every row: chat messages (system prompt added) and reference answers.
+
+    Raises DataError at the first bad row, or skips and counts bad rows with skip_bad_rows.
+    """
+    path = Path(path)
+    rows = PromptRows()
+    for source_row, where, record in _records(path):
+        try:
+            if isinstance(record, DataError):
+                raise record
+            messages = _row_messages(record, prompt_key, system_prompt)
+            answer = _row_answer(record, answer_key)
+        except DataError as exc:
+            if not skip_bad_rows:
+                message = str(exc)
+                raise DataError(message if message.startswith(where) else f"{where}: {message}") from None
+            rows.num_bad_rows += 1
+            continue
+        rows.messages.append(messages)
+        rows.answers.append(answer)
+        rows.source_rows.append(source_row)
+        rows.locations.append(where)
+    if not rows.messages and not rows.num_bad_rows:
+        raise DataError(f"{path}: holds no rows")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering and tokenizing
+
+
+def render_prompts(rows: PromptRows, tokenizer, *, max_prompt_length: Optional[int] = None,
+                   overlong_prompts: str = "drop", skip_bad_rows: bool = False) -> PromptSet:
+    """Apply the chat template (system + user, generation prompt added) and tokenize.
+
+    The rendered text already holds the template's special tokens, so it is tokenized without
+    adding any again. Prompts over max_prompt_length are dropped ("drop") or keep their last
+    max_prompt_length tokens ("truncate_left"); either way they are counted.
+    """
+    if overlong_prompts not in OVERLONG_MODES:
+        raise ValueError(f"overlong_prompts must be one of {OVERLONG_MODES}, got {overlong_prompts!r}")
+    if max_prompt_length is not None and max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+
+    kept: list[int] = []
+    texts: list[str] = []
+    num_bad_rows = rows.num_bad_rows
+    for index, messages in enumerate(rows.messages):
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # templates raise jinja errors of their own for unsupported turns
+            if not skip_bad_rows:
+                raise DataError(f"{rows.locations[index]}: chat template failed ({' '.join(str(exc).split())})") from None
+            num_bad_rows += 1
+            continue
+        kept.append(index)
+        texts.append(text)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    prompts = PromptSet(prompt_ids=[], prompt_texts=[], answers=[], source_rows=[], num_bad_rows=num_bad_rows)
+    for index, text, prompt_ids in zip(kept, texts, ids):
+        if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+            if overlong_prompts == "drop":
+                prompts.num_overlong_dropped += 1
+                continue
+            prompt_ids = prompt_ids[-max_prompt_length:]
+            text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            prompts.num_truncated += 1
+        prompts.prompt_ids.append(list(prompt_ids))
+        prompts.prompt_texts.append(text)
+        prompts.answers.append(rows.answers[index])
+        prompts.source_rows.append(rows.source_rows[index])
+    return prompts
+
+
+def load_prompts(path: str | os.PathLike, tokenizer, *, prompt_key: str = "prompt", answer_key: str = "answer",
+                 system_prompt: Optional[str] = None, max_prompt_length: Optional[int] = None,
+                 overlong_prompts: str = "drop", skip_bad_rows: bool = False) -> PromptSet:
+    """Read a JSONL / JSON / Parquet dataset and return chat-templated, tokenized prompts.
+
+    Raises DataError (one line naming the file and the line or row) on a bad row unless
+    skip_bad_rows, which skips and counts it instead.
+    """
+    rows = read_rows(path, prompt_key=prompt_key, answer_key=answer_key, system_prompt=system_prompt,
+                     skip_bad_rows=skip_bad_rows)
+    return render_prompts(rows, tokenizer, max_prompt_length=max_prompt_length,
+                          overlong_prompts=overlong_prompts, skip_bad_rows=skip_bad_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Length buckets
+
+
+def bucket_bound(length: int, bucket_size: int) -> int:
+    """The width a prompt of this length is padded to: the next multiple of bucket_size."""
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+    return math.ceil(length / bucket_size) * bucket_size
+
+
+def bucketed_batches(prompt_lengths: Sequence[int], batch_size: int, bucket_size: int, *,
+                     seed: int, epoch: int = 0) -> list[list[int]]:
+    """Generation batches of prompt indices, each batch drawn from a single length bucket.
+
+    Bucket of a prompt: ceil(length / bucket_size). Indices are shuffled within each bucket,
+    cut into batches of batch_size (the last batch of a bucket may be shorter), and the batches
+    of all buckets shuffled together. Every index appears exactly once. The order depends only
+    on (seed, epoch), through a local RNG: the global random state is neither read nor moved.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+    if any(length < 0 for length in prompt_lengths):
+        raise ValueError("prompt lengths must be >= 0")
+    rng = random.Random(f"bucketed_batches:{seed}:{epoch}")
+    buckets: dict[int, list[int]] = {}
+    for index, length in enumerate(prompt_lengths):
+        buckets.setdefault(math.ceil(length / bucket_size), []).append(index)
+    batches: list[list[int]] = []
+    for bucket in sorted(buckets):
+        members = buckets[bucket]
+        rng.shuffle(members)
+        batches.extend(members[start:start + batch_size] for start in range(0, len(members), batch_size))
+    rng.shuffle(batches)
+    return batches
+
+
+def batch_max_widths(prompt_lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> list[int]:
+    """Per prompt, the width it is padded to when its batch pads to the batch's longest prompt."""
+    widths = [0] * len(prompt_lengths)
+    for batch in batches:
+        width = max(prompt_lengths[i] for i in batch)
+        for i in batch:
+            widths[i] = width
+    return widths
+
+
+def padding_fraction(prompt_lengths: Sequence[int], padded_widths: Sequence[int]) -> float:
+    """Padding tokens / all tokens (real + padding) once prompt i is padded to padded_widths[i]."""
+    total = sum(padded_widths)
+    return (total - sum(prompt_lengths)) / total if total else 0.0
+
+
+MAX_BUCKET_PADDING = 0.25
+MIN_BUCKET_SIZE = 8
+
+
+def propose_bucket_size(prompt_lengths: Sequence[int], max_padding: float = MAX_BUCKET_PADDING) -> int:
+    """The largest power of two, from 8 up to the first power of two >= the median length, whose
+    buckets pad at most max_padding of the tokens; the smallest candidate if none does.
+
+    Larger buckets mean fewer distinct shapes for the accelerator (the article's point: NPUs
+    handle a few static shapes far better than many ragged ones); the padding budget keeps the
+    wasted compute bounded. Capping at the median's power of two reproduces the article's
+    choice of 1024 for prompts averaging 800 tokens when lengths are concentrated near the mean.
+    Padding under bucketing does not depend on how batches are drawn: every prompt pads to its
+    own bucket's bound.
+    """
+    if not prompt_lengths:
+        raise ValueError("no prompt lengths")
+    median = float(np.median(prompt_lengths))
+    candidates = [MIN_BUCKET_SIZE]
+    while candidates[-1] < median:
+        candidates.append(candidates[-1] * 2)
+    for bucket_size in reversed(candidates):
+        widths = [bucket_bound(length, bucket_size) for length in prompt_lengths]
+        if padding_fraction(prompt_lengths, widths) <= max_padding:
+            return bucket_size
+    return candidates[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared CLI helpers: statistics, histograms, models
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """count, mean, std (population), min, p10, p50, p90, p99, max."""
+    array = np.asarray(values, dtype=np.float64)
+    summary = {"count": float(array.size), "mean": float(array.mean()), "std": float(array.std()),
+               "min": float(array.min())}
+    summary.update({f"p{q}": float(np.percentile(array, q)) for q in (10, 50, 90, 99)})
+    summary["max"] = float(array.max())
+    return summary
+
+
+def save_histogram(values: Sequence[float], path: str | os.PathLike, *, title: str, xlabel: str,
+                   marker: Optional[float] = None, marker_label: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.hist(values, bins=min(50, max(10, len(set(values)))))
+    if marker is not None:
+        axes.axvline(marker, color="red", linestyle="--", label=marker_label)
+        axes.legend()
+    axes.set_title(title)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel("count")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def _require_model_dir(path: str, flag: str) -> None:
+    if not Path(path).is_dir():
+        raise DataError(f"{flag} {path}: no such folder")
+    if not (Path(path) / "config.json").is_file():
+        raise DataError(f"{flag} {path}: not a model folder (no config.json)")
+
+
+def _load_tokenizer(path: str, flag: str):
+    from transformers import AutoTokenizer
+
+    _require_model_dir(path, flag)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _stop_ids(model, tokenizer) -> list[int]:
+    configured = model.generation_config.eos_token_id
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    return sorted(set(configured) | {tokenizer.eos_token_id} - {None})
+
+
+def generate_responses(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
+                       do_sample: bool, temperature: float = 1.0, top_p: float = 1.0,
+                       batch_size: int = 64) -> list[tuple[list[int], bool]]:
+    """Per prompt: (response token ids before the first stop token, whether a stop token came).
+
+    Plain Hugging Face generate on left-padded batches; sampling draws from the global torch
+    RNG, so seed it first for repeatable samples.
+    """
+    import torch
+
+    stop_ids = _stop_ids(model, tokenizer)
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
+    tokenizer.padding_side = "left"
+    results: list[tuple[list[int], bool]] = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(prompt_ids), batch_size):
+            batch = tokenizer.pad({"input_ids": [list(p) for p in prompt_ids[start:start + batch_size]]},
+                                  return_tensors="pt")
+            output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                    max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                                    pad_token_id=tokenizer.pad_token_id, **sampling)
+            for row in output[:, batch["input_ids"].shape[1]:].tolist():
+                stop = next((i for i, token in enumerate(row) if token in stop_ids), None)
+                results.append((row if stop is None else row[:stop], stop is not None))
+    model.train(was_training)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# stats
+
+
+def cmd_stats(args: argparse.Namespace) -> None:
+    rows = read_rows(args.dataset, prompt_key=args.prompt_key, system_prompt=args.system_prompt,
+                     skip_bad_rows=args.skip_bad_rows)
+    tokenizer = _load_tokenizer(args.model_path, "--model_path")
+    prompts = render_prompts(rows, tokenizer, skip_bad_rows=args.skip_bad_rows)
+    lengths = [len(ids) for ids in prompts.prompt_ids]
+    if not lengths:
+        raise DataError(f"{args.dataset}: no valid rows")
+    summary = summarize(lengths)
+    print(f"prompts: {len(lengths)} (bad rows skipped: {prompts.num_bad_rows})")
+    print("prompt tokens: min {min:.0f} mean {mean:.1f} p50 {p50:.1f} p90 {p90:.1f} p99 {p99:.1f} max {max:.0f}"
+          .format(**summary))
+    if args.max_prompt_length is not None:
+        over = sum(length > args.max_prompt_length for length in lengths)
+        print(f"over max_prompt_length {args.max_prompt_length}: {over} ({100 * over / len(lengths):.1f}%)")
+
+    proposed = propose_bucket_size(lengths)
+    print(f"proposed bucket_size: {proposed} (largest power of two up to the median's that pads "
+          f"<= {MAX_BUCKET_PADDING:.0%} of tokens)")
+    bucket_size = args.bucket_size or proposed
+    # One bucket holding every prompt is plain shuffled batching.
+    plain = batch_max_widths(lengths, bucketed_batches(lengths, args.batch_size, max(max(lengths), 1), seed=args.seed))
+    bucketed = [bucket_bound(length, bucket_size) for length in lengths]
+    print(f"padding, batches of {args.batch_size} padded to their longest prompt: "
+          f"{padding_fraction(lengths, plain):.1%} ({len(set(plain))} distinct widths)")
+    print(f"padding, bucket_size {bucket_size} (batches padded to the bucket bound): "
+          f"{padding_fraction(lengths, bucketed):.1%} ({len(set(bucketed))} distinct widths)")
+    if args.max_prompt_length is not None:
+        static = [args.max_prompt_length] * len(lengths)
+        print(f"padding, every prompt padded to max_prompt_length: {padding_fraction(lengths, static):.1%}")
+    if args.plot:
+        save_histogram(lengths, args.plot, title=f"prompt lengths: {Path(args.dataset).name}", xlabel="tokens",
+                       marker=args.max_prompt_length, marker_label="max_prompt_length")
+        print(f"histogram: {args.plot}")
+
+
+# ---------------------------------------------------------------------------------------------
+# reward-check
+
+LOW_SPREAD_ABS = 1e-3
+LOW_SPREAD_REL = 0.05
+
+
+def low_spread_warning(scores: Sequence[float]) -> Optional[str]:
+    """A warning when the reward barely varies: std < 1e-3, or std < 5% of |mean|.
+
+    DAPO normalises rewards within each group of samples; a reward that is (nearly) the same
+    for every response leaves advantages made of noise (article 5.4).
+    """
+    summary = summarize(scores)
+    if summary["std"] < max(LOW_SPREAD_ABS, LOW_SPREAD_REL * abs(summary["mean"])):
+        return (f"reward std {summary['std']:.3f} over {len(scores)} samples: this reward gives the policy "
+                f"no signal to learn from (article 5.4)")
+    return None
+
+
+def _sample_policy(args: argparse.Namespace, prompts: PromptSet) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = _load_tokenizer(args.model_path, "--model_path")
+    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype="auto", local_files_only=True).to(args.device)
+    torch.manual_seed(args.seed)
+    repeated = [ids for ids in prompts.prompt_ids for _ in range(args.samples_per_prompt)]
+    generated = generate_responses(model, tokenizer, repeated, max_new_tokens=args.max_new_tokens, do_sample=True,
+                                   temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in generated]
+
+
+def cmd_reward_check(args: argparse.Namespace) -> None:
+    from rewards import RewardModelScorer, resolve_rule, score_with_rule
+
+    rule = resolve_rule(args.reward_fn) if args.reward_fn else None
+    if args.reward_model:
+        _require_model_dir(args.reward_model, "--reward_model")
+    if args.model_path:
+        _require_model_dir(args.model_path, "--model_path")
+    rows = read_rows(args.dataset, prompt_key=args.prompt_key, answer_key=args.answer_key,
+                     system_prompt=args.system_prompt, skip_bad_rows=args.skip_bad_rows)
+    limit = args.num_samples or len(rows.messages)
+    rows = PromptRows(rows.messages[:limit], rows.answers[:limit], rows.source_rows[:limit],
+                      rows.locations[:limit], rows.num_bad_rows)
+    scorer = RewardModelScorer(args.reward_model, device=args.device, batch_size=args.batch_size) \
+        if args.reward_model else None
+
+    if args.model_path:
+        # The trainer renders prompts with the policy's template; sampling needs those ids anyway.
+        prompts = render_prompts(rows, _load_tokenizer(args.model_path, "--model_path"))
+        responses = _sample_policy(args, prompts)
+        source = f"{len(prompts)} prompts x {args.samples_per_prompt} samples from {args.model_path}"
+    else:
+        missing = [where for where, answer in zip(rows.locations, rows.answers) if answer is None]
+        if missing:
+            raise DataError(f"{missing[0]}: no {args.answer_key!r}; without --model_path reward-check scores the "
+                            f"reference answers")
+        # Without a policy, the reward model's own chat template renders the prompt text.
+        prompts = render_prompts(rows, scorer.tokenizer) if scorer else None
+        responses = list(rows.answers)
+        source = f"reference answers of {len(responses)} rows"
+    group = args.samples_per_prompt if args.model_path else 1
+    prompt_texts = [text for text in prompts.prompt_texts for _ in range(group)] if prompts else []
+    answers = [answer for answer in (prompts.answers if prompts else rows.answers) for _ in range(group)]
+
+    scored = scorer(prompt_texts, responses) if scorer else score_with_rule(rule, responses, answers)
+    summary = summarize(scored.scores)
+    print(f"reward: {args.reward_model or args.reward_fn} on {source}")
+    print("reward: count {count:.0f} mean {mean:.4f} std {std:.4f} min {min:.4f} p10 {p10:.4f} p50 {p50:.4f} "
+          "p90 {p90:.4f} max {max:.4f}".format(**summary))
+    if scored.correct is not None:
+        num_correct = sum(scored.correct)
+        print(f"correct: {num_correct} of {len(scored.correct)} ({num_correct / len(scored.correct):.1%}); "
+              f"malformed: {scored.num_malformed}")
+    if group > 1:
+        flat = sum(len(set(scored.scores[g:g + group])) == 1 for g in range(0, len(scored.scores), group))
+        print(f"groups with one reward for all {group} samples (no learning signal): {flat} of "
+              f"{len(scored.scores) // group}")
+    if args.plot:
+        save_histogram(scored.scores, args.plot, title=f"reward: {Path(args.dataset).name}", xlabel="reward")
+        print(f"histogram: {args.plot}")
+
+    if rule is not None and not args.model_path:
+        # Reference answers should all be judged correct; their spread says nothing about learning.
+        rejected = [where for where, ok in zip(rows.locations, scored.correct) if not ok]
+        if rejected:
+            print(f"warning: the rule rejects {len(rejected)} of {len(rejected) + sum(scored.correct)} reference "
+                  f"answers (first: {rejected[0]}): check --answer_key and the rule", file=sys.stderr)
+    else:
+        warning = low_spread_warning(scored.scores)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Demo assets
+
+DEMO_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")  # pad, turn start, EOS, unknown
+DEMO_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+DEMO_MAX_POSITIONS = 128
+DEMO_MAX_NEW_TOKENS = 8
+WARM_START_LR = 1e-3
+WARM_START_BATCH = 32
+WARM_START_MAX_STEPS = 300
+WARM_START_TARGET_ACCURACY = 0.15
+WARM_START_MIN_DISTINCT = 5
+
+
+def demo_problems() -> list[dict[str, str]]:
+    """All 100 problems a+b= with operands 0-9, in order."""
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+
+
+def build_demo_tokenizer():
+    """Character-level tokenizer (printable ASCII, newline, tab) with Qwen-style chat specials."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    characters = ["\n", "\t"] + [chr(code) for code in range(0x20, 0x7F)]
+    vocab = {token: index for index, token in enumerate([*DEMO_SPECIAL_TOKENS, *characters])}
+    # BPE without merges is a character-level model: each character is its own token.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(list(DEMO_SPECIAL_TOKENS))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>",
+        padding_side="left", chat_template=DEMO_CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+        model_max_length=DEMO_MAX_POSITIONS,
+    )
+
+
+def build_demo_model(tokenizer):
+    """Tiny Qwen3-MoE (2 layers, hidden 64, 8 experts top-2) from the current torch RNG state."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=DEMO_MAX_POSITIONS,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.max_new_tokens = DEMO_MAX_NEW_TOKENS
+    return model
+
+
+def greedy_accuracy(model, tokenizer, prompts: PromptSet) -> tuple[float, int]:
+    """(fraction of prompts whose greedy response is exactly the answer then EOS,
+    number of distinct greedy responses)."""
+    answer_ids = [tokenizer(answer, add_special_tokens=False)["input_ids"] for answer in prompts.answers]
+    generated = generate_responses(model, tokenizer, prompts.prompt_ids,
+                                   max_new_tokens=max(len(ids) for ids in answer_ids) + 1, do_sample=False)
+    correct = sum(stopped and ids == answer for (ids, stopped), answer in zip(generated, answer_ids))
+    return correct / len(generated), len({tuple(ids) for ids, _ in generated})
+
+
+def _supervised_batch(prompts: PromptSet, tokenizer, indices: list[int]) -> dict[str, Any]:
+    """Right-padded prompt + answer + EOS; the loss sees only answer and EOS tokens."""
+    import torch
+
+    sequences, label_rows = [], []
+    for i in indices:
+        target = tokenizer(prompts.answers[i], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        sequences.append(prompts.prompt_ids[i] + target)
+        label_rows.append([-100] * len(prompts.prompt_ids[i]) + target)
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(indices), width), tokenizer.pad_token_id)
+    labels = torch.full((len(indices), width), -100)
+    attention_mask = torch.zeros((len(indices), width), dtype=torch.long)
+    for row, (sequence, label_row) in enumerate(zip(sequences, label_rows)):
+        input_ids[row, :len(sequence)] = torch.tensor(sequence)
+        labels[row, :len(sequence)] = torch.tensor(label_row)
+        attention_mask[row, :len(sequence)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def warm_start(model, tokenizer, prompts: PromptSet, *, seed: int) -> dict[str, Any]:
+    """Supervised training on the answers, stopped at the first step where greedy decoding gets
+    at least WARM_START_TARGET_ACCURACY right with at least WARM_START_MIN_DISTINCT distinct
+    answers (the answers depend on the operands), or after WARM_START_MAX_STEPS.
+
+    Stopping on the measured state rather than after a fixed step count matters because the
+    curve is jumpy: at a fixed 100 steps, seeds 0-3 ranged from 0.13 with 4 distinct answers
+    to 0.24 with 10. A constant answer scores ~0.1 on this task and RL cannot escape it
+    (PLATFORM.md), hence the distinct-answer condition.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR)
+    model.train()
+    accuracy, distinct = greedy_accuracy(model, tokenizer, prompts)
+    step = 0
+    while step < WARM_START_MAX_STEPS and not (
+            accuracy >= WARM_START_TARGET_ACCURACY and distinct >= WARM_START_MIN_DISTINCT):
+        indices = torch.randperm(len(prompts), generator=generator)[:WARM_START_BATCH].tolist()
+        loss = model(**_supervised_batch(prompts, tokenizer, indices)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        accuracy, distinct = greedy_accuracy(model, tokenizer, prompts)
+    target_met = accuracy >= WARM_START_TARGET_ACCURACY and distinct >= WARM_START_MIN_DISTINCT
+    return {"warm_start_steps": step, "greedy_accuracy": accuracy, "distinct_answers": distinct,
+            "warm_start_target_met": target_met}
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+
+def _install(staging: Path, out_dir: Path, names: Sequence[str]) -> None:
+    """Move finished files and folders into out_dir, replacing old ones; a folder is either the
+    old complete one, absent for a moment, or the new complete one, never half-written."""
+    for name in names:
+        target, built = out_dir / name, staging / name
+        if target.is_dir():
+            target.rename(staging / f"{name}.old")
+        os.replace(built, target)
+
+
+def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+    """Write OUT/model (tiny Qwen3-MoE + tokenizer), OUT/train.jsonl, OUT/val.jsonl and
+    OUT/demo_info.json; returns the info. Deterministic from the seed: two builds on the same
+    machine and thread count give bit-identical weights. The caller's RNG state is untouched.
+    """
+    import torch
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    problems = demo_problems()
+    train_rows = list(problems)
+    random.Random(seed).shuffle(train_rows)
+
+    with tempfile.TemporaryDirectory(prefix=".demo-build-", dir=out_dir) as staging_name:
+        staging = Path(staging_name)
+        _write_jsonl(staging / "train.jsonl", train_rows)
+        _write_jsonl(staging / "val.jsonl", problems)
+        tokenizer = build_demo_tokenizer()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = build_demo_model(tokenizer)
+            info = warm_start(model, tokenizer, load_prompts(staging / "val.jsonl", tokenizer), seed=seed)
+        model.save_pretrained(staging / "model")
+        tokenizer.save_pretrained(staging / "model")
+        info = {"seed": seed, **info, "num_parameters": sum(p.numel() for p in model.parameters()),
+                "vocab_size": len(tokenizer), "num_train_problems": len(train_rows), "num_val_problems": len(problems),
+                "build_seconds": round(time.perf_counter() - started, 1)}
+        # demo_info.json goes last: its presence says the rest is in place.
+        (staging / "demo_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        _install(staging, out_dir, ["model", "train.jsonl", "val.jsonl", "demo_info.json"])
+    return info
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    info = build_demo_assets(args.out, seed=args.seed)
+    print(f"demo assets in {args.out}: tiny Qwen3-MoE with {info['num_parameters']:,} parameters, "
+          f"vocab {info['vocab_size']}")
+    print(f"warm start: {info['warm_start_steps']} steps; greedy accuracy {info['greedy_accuracy']:.2f} on the "
+          f"{info['num_val_problems']} problems, {info['distinct_answers']} distinct answers "
+          f"({info['build_seconds']} s)")
+    if not info["warm_start_target_met"]:
+        print(f"warning: warm start stopped at {WARM_START_MAX_STEPS} steps without reaching its target",
+              file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="data_prep.py", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def dataset_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--dataset", required=True, help=".jsonl, .json or .parquet file")
+        sub.add_argument("--prompt_key", default="prompt")
+        sub.add_argument("--system_prompt", default=None, help="added as a system message to rows without one")
+        sub.add_argument("--skip_bad_rows", action="store_true", help="skip and count bad rows instead of failing")
+        sub.add_argument("--seed", type=int, default=0)
+
+    stats = commands.add_parser("stats", help="prompt-length statistics and a bucket size proposal")
+    dataset_options(stats)
+    stats.add_argument("--model_path", required=True, help="model folder whose tokenizer renders the prompts")
+    stats.add_argument("--max_prompt_length", type=_positive_int, default=None)
+    stats.add_argument("--bucket_size", type=_positive_int, default=None, help="evaluate this instead of the proposal")
+    stats.add_argument("--batch_size", type=_positive_int, default=32, help="generation batch size for padding figures")
+    stats.add_argument("--plot", default=None, help="save a histogram of prompt lengths to this PNG")
+    stats.set_defaults(run=cmd_stats)
+
+    check = commands.add_parser("reward-check", help="reward distribution over a dataset before training")
+    dataset_options(check)
+    reward = check.add_mutually_exclusive_group(required=True)
+    reward.add_argument("--reward_fn", help="built-in rule name or module:function")
+    reward.add_argument("--reward_model", help="sequence-classification reward model folder")
+    check.add_argument("--model_path", default=None, help="policy to sample responses from (else: reference answers)")
+    check.add_argument("--answer_key", default="answer")
+    check.add_argument("--num_samples", type=_positive_int, default=None, help="score only the first K rows")
+    check.add_argument("--samples_per_prompt", type=_positive_int, default=1, help="with --model_path")
+    check.add_argument("--max_new_tokens", type=_positive_int, default=256)
+    check.add_argument("--temperature", type=float, default=1.0)
+    check.add_argument("--top_p", type=float, default=1.0)
+    check.add_argument("--batch_size", type=_positive_int, default=16)
+    check.add_argument("--device", default="cpu")
+    check.add_argument("--plot", default=None, help="save a histogram of rewards to this PNG")
+    check.set_defaults(run=cmd_reward_check)
+
+    demo = commands.add_parser("demo", help="build the offline demo assets")
+    demo.add_argument("--out", required=True, help="output folder")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (DataError, ValueError, FileNotFoundError, OSError) as exc:
+        print(f"data_prep.py {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

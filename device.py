@@ -1,0 +1,150 @@
+"""The one owner of device, backend, dtype, seeding, RNG state and cache release.
+
+Nothing else in the project names ``cuda`` or ``npu``: callers hold a :class:`Platform` and go
+through it. ``torch_npu`` is optional and imported only here, guarded, because on a machine
+without CANN a stray torch_npu breaks even ``import torch`` (PLATFORM.md).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform as host
+import random
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _import_torch_npu() -> Optional[ModuleType]:
+    try:
+        return importlib.import_module("torch_npu")
+    except Exception:  # ImportError, or a vendor build that fails without CANN
+        return None
+
+
+@dataclass(frozen=True)
+class Platform:
+    kind: str  # "npu" | "cuda" | "cpu"
+    backend: str  # "hccl" | "nccl" | "gloo"
+    local_rank: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.local_rank)
+
+    @property
+    def module(self) -> Any:
+        """torch.cuda / torch.npu; None on CPU."""
+        return None if self.kind == "cpu" else getattr(torch, self.kind)
+
+    def bind(self) -> None:
+        """Make this process's accelerator the current one (before any collective)."""
+        if self.module is not None:
+            self.module.set_device(self.local_rank)
+
+    def synchronize(self) -> None:
+        if self.module is not None:
+            self.module.synchronize()
+
+    def release_cache(self) -> None:
+        """Hand cached blocks back after a rollout (article 5.2: the KV cache otherwise piles up)."""
+        if self.module is not None:
+            self.module.empty_cache()
+
+    def rng_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if self.module is not None:
+            state["device"] = self.module.get_rng_state()
+        return state
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if self.module is not None and "device" in state:
+            self.module.set_rng_state(state["device"])
+
+
+def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
+    """NPU if torch_npu imports and sees a device, else CUDA, else CPU (DESIGN.md)."""
+    if requested in ("auto", "npu") and _import_torch_npu() is not None and hasattr(torch, "npu") \
+            and torch.npu.is_available():
+        return Platform("npu", "hccl", local_rank)
+    if requested == "npu":
+        raise RuntimeError("device 'npu' requested but torch_npu is not installed or sees no NPU")
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
+        return Platform("cuda", "nccl", local_rank)
+    if requested == "cuda":
+        raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
+    return Platform("cpu", "gloo", local_rank)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA/NPU device generator
+
+
+def _cann_version() -> Optional[str]:
+    home = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH")
+    candidates = [Path(home)] if home else []
+    candidates.append(Path("/usr/local/Ascend/ascend-toolkit/latest"))
+    for root in candidates:
+        for name in ("version.cfg", "compiler/version.info", "runtime/version.info"):
+            info = root / name
+            if info.is_file():
+                for line in info.read_text(errors="replace").splitlines():
+                    if "version" in line.lower() and "=" in line:
+                        return line.split("=", 1)[1].strip()
+    return None
+
+
+def _version_of(module_name: str) -> Optional[str]:
+    try:
+        return importlib.import_module(module_name).__version__
+    except Exception:
+        return None
+
+
+def env_report(plat: Platform, world_size: int) -> dict[str, Any]:
+    """Everything article 5.1 says to compare first when a new error appears."""
+    torch_npu = sys.modules.get("torch_npu")
+    collective = None
+    if plat.kind == "cuda":
+        collective = ".".join(map(str, torch.cuda.nccl.version()))
+    elif plat.kind == "npu":
+        collective = os.environ.get("HCCL_VERSION") or _cann_version()
+    devices = []
+    if plat.module is not None:
+        devices = [plat.module.get_device_name(i) for i in range(plat.module.device_count())]
+    return {
+        "python": host.python_version(),
+        "torch": torch.__version__,
+        "torch_npu": getattr(torch_npu, "__version__", None),
+        "cann": _cann_version(),
+        "collective_backend": plat.backend,
+        "collective_version": collective,
+        "transformers": _version_of("transformers"),
+        "device": plat.kind,
+        "device_count": len(devices) if devices else 1,
+        "device_names": devices or [host.processor() or host.machine()],
+        "hostname": socket.gethostname(),
+        "world_size": world_size,
+    }
+
+
+def write_env_report(path: Path, plat: Platform, world_size: int) -> None:
+    path.write_text(json.dumps(env_report(plat, world_size), indent=2) + "\n")

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# dapo-npu launcher: setup | demo | test | smoke | train CONFIG. See README.md.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+usage() {
+  cat >&2 <<'TXT'
+usage: ./launch.sh COMMAND [ARGS...]
+  setup                   create .venv (unless a virtualenv is active) and install the project; keeps an installed torch
+  demo [--KEY VALUE ...]  build the offline demo assets if absent and train on them (CPU, 8 ranks)
+  test [PYTEST ARGS...]   run the test suite
+  smoke                   environment checks: a matmul on the device, a 2-process all_reduce
+  train CONFIG [--KEY VALUE ...]
+                          torchrun over NPROC_PER_NODE (8) processes; multi-node with NNODES, NODE_RANK,
+                          MASTER_ADDR, MASTER_PORT
+TXT
+  exit 2
+}
+
+python_bin() {
+  if [[ -n "${VIRTUAL_ENV:-}" ]]; then echo "$VIRTUAL_ENV/bin/python"; else echo "$PWD/.venv/bin/python"; fi
+}
+
+setup() {
+  if [[ -z "${VIRTUAL_ENV:-}" && ! -x .venv/bin/python ]]; then
+    python3 -m venv .venv
+  fi
+  local py; py=$(python_bin)
+  local env_dir; env_dir=$(dirname "$(dirname "$py")")
+  local stamp="$env_dir/.dapo-npu-installed-$(cat pyproject.toml | sha1sum | cut -c1-12)"
+  [[ -f "$stamp" ]] && return 0
+  local constraints; constraints=$(mktemp)
+  if torch_version=$("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null); then
+    # An installed torch (the NPU vendor build, a CUDA build) must never be replaced by pip.
+    echo "setup: keeping installed torch $torch_version" >&2
+  else
+    # The CPU build; a looser spec would pull a multi-GB CUDA build.
+    "$py" -m pip install -q "torch==2.13.0"
+    torch_version=$("$py" -c 'import torch; print(torch.__version__)')
+  fi
+  echo "torch==$torch_version" > "$constraints"
+  "$py" -m pip install -q -c "$constraints" -e ".[dev]"
+  rm -f "$constraints"
+  touch "$stamp"
+}
+
+torchrun_cmd() {
+  local py; py=$(python_bin)
+  local platform; platform=$("$py" -c 'from device import select_platform; print(select_platform().kind)')
+  if [[ "$platform" == npu ]]; then
+    export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}" HCCL_TIMEOUT="${HCCL_TIMEOUT:-3000}"
+  fi
+  local nnodes="${NNODES:-1}"
+  local args=(--nproc_per_node="${NPROC_PER_NODE:-8}" --nnodes="$nnodes")
+  if [[ "$nnodes" -gt 1 ]]; then
+    args+=(--node_rank="${NODE_RANK:?NODE_RANK must be set for multi-node}"
+           --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:?MASTER_ADDR must be set}:${MASTER_PORT:-29500}")
+  elif [[ -n "${MASTER_PORT:-}" ]]; then
+    args+=(--master_port="$MASTER_PORT")
+  else
+    args+=(--standalone)  # picks a free port, so two jobs on one machine do not collide
+  fi
+  "$py" -m torch.distributed.run "${args[@]}" "$@"
+}
+
+cmd="${1:-}"; [[ -n "$cmd" ]] || usage; shift
+case "$cmd" in
+  setup) setup ;;
+  demo)
+    setup
+    py=$(python_bin)
+    if [[ ! -f runs/demo_assets/demo_info.json ]]; then
+      "$py" data_prep.py demo --out runs/demo_assets
+    fi
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$py" train_dapo.py --config configs/demo_cpu.yaml "$@"
+    ;;
+  test)
+    setup
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$(python_bin)" -m pytest "$@"
+    ;;
+  smoke)
+    setup
+    py=$(python_bin)
+    status=0
+    "$py" smoke.py matmul || status=1
+    if ! NPROC_PER_NODE=2 NNODES=1 torchrun_cmd smoke.py all_reduce; then
+      echo "FAIL all_reduce: torchrun exited non-zero (see the lines above)"; status=1
+    fi
+    exit $status
+    ;;
+  train)
+    [[ $# -ge 1 ]] || usage
+    config="$1"; shift
+    setup
+    torchrun_cmd train_dapo.py --config "$config" "$@"
+    ;;
+  *) usage ;;
+esac

@@ -1,0 +1,292 @@
+"""Reward scoring for the DAPO trainer: rule-based rewards and a reward model.
+
+A rule scores one decoded response (text without special tokens) against the prompt's
+reference answer. Rules may raise on output they cannot parse; `score_with_rule` turns every
+such failure into the rule's "wrong" score and counts it, so a reward never raises on what a
+model wrote (REFERENCE.md §1). A reward model (`RewardModelScorer`) scores prompt + response
+by its single logit. Overlong reward shaping is not applied here: the trainer adds it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+RuleFn = Callable[[str, str | None], tuple[float, bool]]  # (response, reference answer) -> (score, correct)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Rewards for a batch of responses, before overlong shaping."""
+
+    scores: list[float]
+    correct: list[bool] | None  # None where the reward has no notion of correct (reward model)
+    num_malformed: int  # responses the rule could not parse, or on which it raised
+
+
+class MalformedResponse(ValueError):
+    """Raised by a rule when a response cannot be parsed; the response is scored as wrong."""
+
+
+@dataclass(frozen=True)
+class RewardRule:
+    """A rule function plus the score given to a response it cannot score.
+
+    needs_answer: the rule compares against a reference answer, so a prompt without one is a
+    data error (raised by `score_with_rule`), not a model failure to be scored as wrong.
+    """
+
+    name: str
+    fn: RuleFn
+    wrong_score: float
+    needs_answer: bool = False
+
+
+# ---------------------------------------------------------------------------------------
+# math_answer: DAPO's "Answer: X" convention
+
+_ANSWER_WINDOW_CHARS = 300  # DAPO only looks at the tail, so an answer mid-reasoning is ignored
+_ANSWER_PATTERN = re.compile(r"answer\s*:[ \t]*([^\n]*)", re.IGNORECASE)
+_COMMA_GROUPED_NUMBER = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
+
+
+def _unwrap_boxed(text: str) -> str:
+    r"""`\boxed{X}` -> `X` when the box spans the whole text; otherwise the text unchanged."""
+    prefix = "\\boxed{"
+    if not (text.startswith(prefix) and text.endswith("}")):
+        return text
+    depth = 0
+    for index in range(len(prefix) - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[index], 0)
+        if depth == 0:
+            # The brace opened by \boxed closes here: unwrap only if it is the final one,
+            # so "\boxed{1}+\boxed{2}" stays as it is.
+            return text[len(prefix) : -1] if index == len(text) - 1 else text
+    return text
+
+
+def _strip_decorations(text: str) -> str:
+    """Peel whitespace, a trailing period, surrounding $...$ and \\boxed{...} until stable."""
+    while True:
+        stripped = text.strip().removesuffix(".").strip()
+        if len(stripped) >= 2 and stripped.startswith("$") and stripped.endswith("$"):
+            stripped = stripped[1:-1]
+        stripped = _unwrap_boxed(stripped)
+        if stripped == text:
+            return text
+        text = stripped
+
+
+def normalise_answer(text: str) -> str:
+    """Canonical form of a final answer for string comparison."""
+    text = _strip_decorations(text)
+    if _COMMA_GROUPED_NUMBER.fullmatch(text):
+        text = text.replace(",", "")
+    return text.lower()
+
+
+def _as_number(text: str) -> Fraction | None:
+    # Fraction is exact ("2.0" == "2", "1/2" == "0.5") and, unlike float, rejects "nan"/"inf".
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(extracted: str, reference: str) -> bool:
+    """Normalised equality, numeric where both sides are numbers."""
+    extracted, reference = normalise_answer(extracted), normalise_answer(reference)
+    extracted_number, reference_number = _as_number(extracted), _as_number(reference)
+    if extracted_number is not None and reference_number is not None:
+        return extracted_number == reference_number
+    return extracted == reference
+
+
+def math_answer(response: str, answer: str | None) -> tuple[float, bool]:
+    """+1.0 if the last "Answer: X" in the final 300 characters matches the reference, else -1.0.
+
+    Raises MalformedResponse when that window holds no "Answer:" with a non-empty value.
+    """
+    if answer is None:
+        raise ValueError("math_answer needs a reference answer")
+    found = _ANSWER_PATTERN.findall(response[-_ANSWER_WINDOW_CHARS:])
+    if not found or not normalise_answer(found[-1]):
+        raise MalformedResponse("no 'Answer: X' in the last 300 characters")
+    correct = answers_match(found[-1], answer)
+    return (1.0 if correct else -1.0), correct
+
+
+# ---------------------------------------------------------------------------------------
+# demo_arithmetic: the offline "a+b=" task
+
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+def demo_arithmetic(response: str, answer: str | None) -> tuple[float, bool]:
+    """1.0 if the whole response (outer whitespace stripped) is exactly the answer, else 0.0.
+
+    Strict on purpose: a lenient "first integer" reward let a run degrade to "5hhhhhhh"
+    (PLATFORM.md). Anything that is not a bare integer raises MalformedResponse.
+    """
+    if answer is None:
+        raise ValueError("demo_arithmetic needs a reference answer")
+    text = response.strip()
+    if not _INTEGER.fullmatch(text):
+        raise MalformedResponse(f"not an integer: {text[:40]!r}")
+    correct = text == answer.strip()
+    return (1.0 if correct else 0.0), correct
+
+
+BUILTIN_RULES: dict[str, RewardRule] = {
+    "demo_arithmetic": RewardRule("demo_arithmetic", demo_arithmetic, wrong_score=0.0, needs_answer=True),
+    "math_answer": RewardRule("math_answer", math_answer, wrong_score=-1.0, needs_answer=True),
+}
+
+
+def resolve_rule(name: str) -> RewardRule:
+    """A built-in rule by name, or a user's `module:function`.
+
+    A user's function takes (response_text, reference_answer_or_None) and returns
+    (score, correct). Its score for responses on which it raises is the function's
+    `wrong_score` attribute if it has one, else 0.0.
+    """
+    if ":" not in name:
+        if name not in BUILTIN_RULES:
+            builtins = ", ".join(sorted(BUILTIN_RULES))
+            raise ValueError(f"unknown reward_fn {name!r} (built-ins: {builtins}; or module:function)")
+        return BUILTIN_RULES[name]
+
+    module_name, _, attr_name = name.partition(":")
+    if not module_name or not attr_name:
+        raise ValueError(f"reward_fn {name!r}: expected module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # a user's module may fail to import in any way (SyntaxError, ...)
+        raise ValueError(f"reward_fn {name!r}: cannot import module {module_name!r}: {exc}") from exc
+    fn = getattr(module, attr_name, None)
+    if fn is None:
+        raise ValueError(f"reward_fn {name!r}: module {module_name!r} has no attribute {attr_name!r}")
+    if not callable(fn):
+        raise ValueError(f"reward_fn {name!r}: {attr_name!r} is not callable")
+    wrong_score = getattr(fn, "wrong_score", 0.0)
+    if isinstance(wrong_score, bool) or not isinstance(wrong_score, (int, float)):
+        raise ValueError(f"reward_fn {name!r}: wrong_score must be a number, got {wrong_score!r}")
+    return RewardRule(name, fn, wrong_score=float(wrong_score))
+
+
+_warned_failures: set[tuple[str, str]] = set()
+
+
+def _warn_once(rule: RewardRule, exc: Exception) -> None:
+    # MalformedResponse is expected model behaviour; anything else is likely a bug in the
+    # rule, which the user should see once rather than only as a malformed count.
+    key = (rule.name, type(exc).__name__)
+    if isinstance(exc, MalformedResponse) or key in _warned_failures:
+        return
+    _warned_failures.add(key)
+    logger.warning("reward rule %s raised %s: %s (scored as wrong, counted as malformed)",
+                   rule.name, type(exc).__name__, exc)
+
+
+def _score_one(rule: RewardRule, response: str, answer: str | None) -> tuple[float, bool]:
+    score, correct = rule.fn(response, answer)
+    score = float(score)
+    if not math.isfinite(score):
+        raise ValueError(f"non-finite score {score}")
+    return score, bool(correct)
+
+
+def score_with_rule(rule: RewardRule, responses: list[str], answers: list[str | None]) -> Scored:
+    """Score each response; a rule failure on a response scores it wrong and counts it."""
+    if len(responses) != len(answers):
+        raise ValueError(f"{len(responses)} responses but {len(answers)} reference answers")
+    if rule.needs_answer and any(answer is None for answer in answers):
+        raise ValueError(f"reward rule {rule.name} needs a reference answer for every prompt")
+    scores: list[float] = []
+    correct: list[bool] = []
+    num_malformed = 0
+    for response, answer in zip(responses, answers):
+        try:
+            score, is_correct = _score_one(rule, response, answer)
+        except Exception as exc:  # model output must never crash a step
+            _warn_once(rule, exc)
+            score, is_correct = rule.wrong_score, False
+            num_malformed += 1
+        scores.append(score)
+        correct.append(is_correct)
+    return Scored(scores=scores, correct=correct, num_malformed=num_malformed)
+
+
+# ---------------------------------------------------------------------------------------
+# Reward model
+
+
+class RewardModelScorer:
+    """AutoModelForSequenceClassification with num_labels=1; scores prompt+response by its logit.
+
+    The text scored is `prompt + response`, tokenized by the reward model's own tokenizer with
+    its default special tokens. Batches are right-padded so every real token keeps the
+    position it has unpadded; the model reads the logit at the last non-pad token.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 16,
+    ) -> None:
+        # Imported here: transformers takes seconds to import and rule rewards do not need it.
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        if config.num_labels != 1:
+            raise ValueError(f"reward model {model_path} has num_labels={config.num_labels}; expected 1")
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ValueError(f"reward model tokenizer at {model_path} has neither a pad nor an eos token")
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_path, config=config, dtype=dtype, local_files_only=True
+        )
+        # The model finds each sequence's last real token by comparing ids with this pad id;
+        # unset, it refuses batches, and a different id would read a logit off padding.
+        # Newer transformers read it from the text config (a separate object in multimodal models).
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+
+        self.tokenizer = tokenizer
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], responses: list[str]) -> Scored:
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        texts = [prompt + response for prompt, response in zip(prompts, responses)]
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(texts[start : start + self.batch_size], padding=True, return_tensors="pt")
+            logits = self.model(
+                input_ids=batch["input_ids"].to(self.device),
+                attention_mask=batch["attention_mask"].to(self.device),
+            ).logits
+            scores.extend(logits[:, 0].float().cpu().tolist())
+        return Scored(scores=scores, correct=None, num_malformed=0)

@@ -1,0 +1,80 @@
+"""Device selection: CPU without torch_npu, the NPU branch with a fake torch_npu, and who names devices."""
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import device
+from device import select_platform
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_and_gloo_without_accelerators(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` raise ImportError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    plat = select_platform()
+    assert (plat.kind, plat.backend, plat.device) == ("cpu", "gloo", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="torch_npu"):
+        select_platform("npu")
+
+
+def test_fake_torch_npu_selects_npu_and_hccl(monkeypatch):
+    fake = types.ModuleType("torch_npu")
+    fake.__version__ = "2.13.0.fake"
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True), raising=False)
+    plat = select_platform(local_rank=3)
+    # torch.device("npu") itself needs the real torch_npu, so check the choice, not the device object.
+    assert (plat.kind, plat.backend, plat.local_rank) == ("npu", "hccl", 3)
+
+
+def test_npu_beats_cuda_and_cuda_beats_cpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_platform().backend == "nccl"
+    fake = types.ModuleType("torch_npu")
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True), raising=False)
+    assert select_platform().backend == "hccl"
+    assert select_platform("cuda").backend == "nccl"  # an explicit request wins
+
+
+def test_rng_state_round_trip():
+    plat = select_platform("cpu")
+    device.seed_everything(5)
+    state = plat.rng_state()
+    first = torch.rand(3)
+    plat.set_rng_state(state)
+    assert torch.equal(torch.rand(3), first)
+
+
+def test_env_report_lists_what_article_5_1_asks_for(tmp_path):
+    plat = select_platform("cpu")
+    device.write_env_report(tmp_path / "env.json", plat, world_size=1)
+    report = __import__("json").loads((tmp_path / "env.json").read_text())
+    for key in ("python", "torch", "torch_npu", "cann", "collective_backend", "transformers", "device_count",
+                "device_names", "hostname", "world_size"):
+        assert key in report
+    assert report["torch"] == torch.__version__ and report["collective_backend"] == "gloo"
+
+
+def test_only_the_device_module_names_accelerators():
+    pattern = re.compile(r"torch\.cuda|torch\.npu|torch_npu")
+    offenders = [p.name for p in ROOT.glob("*.py") if p.name != "device.py" and pattern.search(p.read_text())]
+    assert offenders == []
+
+
+def test_importing_library_modules_writes_nothing_and_starts_no_group(tmp_path):
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); before = set(os.listdir('.'));"
+            "import dapo_loss, rollout, data_prep, ckpt, config, device, rewards, metrics;"
+            "import torch.distributed as dist;"
+            "assert not dist.is_initialized(); assert set(os.listdir('.')) == before, 'import wrote files'")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -378,8 +378,11 @@ def save_histogram(values: Sequence[float], path: str | os.PathLike, *, title: s
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
+    # The range includes the marker so a narrow distribution far below a limit stays visible.
+    low = min(min(values), marker if marker is not None else math.inf)
+    high = max(max(values), marker if marker is not None else -math.inf)
     figure, axes = plt.subplots(figsize=(7, 4))
-    axes.hist(values, bins=min(50, max(10, len(set(values)))))
+    axes.hist(values, bins=50, range=(low, high if high > low else low + 1))
     if marker is not None:
         axes.axvline(marker, color="red", linestyle="--", label=marker_label)
         axes.legend()
@@ -423,14 +426,13 @@ def generate_responses(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *,
 
     stop_ids = _stop_ids(model, tokenizer)
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
-    tokenizer.padding_side = "left"
     results: list[tuple[list[int], bool]] = []
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for start in range(0, len(prompt_ids), batch_size):
             batch = tokenizer.pad({"input_ids": [list(p) for p in prompt_ids[start:start + batch_size]]},
-                                  return_tensors="pt")
+                                  padding_side="left", return_tensors="pt")
             output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                     max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                                     pad_token_id=tokenizer.pad_token_id, **sampling)
@@ -501,11 +503,10 @@ def low_spread_warning(scores: Sequence[float]) -> Optional[str]:
     return None
 
 
-def _sample_policy(args: argparse.Namespace, prompts: PromptSet) -> list[str]:
+def _sample_policy(args: argparse.Namespace, tokenizer, prompts: PromptSet) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = _load_tokenizer(args.model_path, "--model_path")
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype="auto", local_files_only=True).to(args.device)
     torch.manual_seed(args.seed)
     repeated = [ids for ids in prompts.prompt_ids for _ in range(args.samples_per_prompt)]
@@ -532,8 +533,9 @@ def cmd_reward_check(args: argparse.Namespace) -> None:
 
     if args.model_path:
         # The trainer renders prompts with the policy's template; sampling needs those ids anyway.
-        prompts = render_prompts(rows, _load_tokenizer(args.model_path, "--model_path"))
-        responses = _sample_policy(args, prompts)
+        tokenizer = _load_tokenizer(args.model_path, "--model_path")
+        prompts = render_prompts(rows, tokenizer)
+        responses = _sample_policy(args, tokenizer, prompts)
         source = f"{len(prompts)} prompts x {args.samples_per_prompt} samples from {args.model_path}"
     else:
         missing = [where for where, answer in zip(rows.locations, rows.answers) if answer is None]
@@ -593,7 +595,7 @@ WARM_START_LR = 1e-3
 WARM_START_BATCH = 32
 WARM_START_MAX_STEPS = 300
 WARM_START_TARGET_ACCURACY = 0.15
-WARM_START_MIN_DISTINCT = 5
+WARM_START_MIN_DISTINCT = 8
 
 
 def demo_problems() -> list[dict[str, str]]:

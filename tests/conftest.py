@@ -1,0 +1,31 @@
+"""Shared fixtures: the demo assets are built once per test session (about 15 s)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory) -> Path:
+    from data_prep import build_demo_assets
+
+    out = tmp_path_factory.mktemp("demo_assets")
+    build_demo_assets(out, seed=0)
+    return out
+
+
+@pytest.fixture
+def demo_argv(demo_assets, tmp_path) -> list[str]:
+    """A few-second training run on the demo assets, one process."""
+    return [
+        "--config", str(ROOT / "configs" / "demo_cpu.yaml"),
+        "--model_path", str(demo_assets / "model"),
+        "--dataset", str(demo_assets / "train.jsonl"),
+        "--val_dataset", str(demo_assets / "val.jsonl"),
+        "--output_dir", str(tmp_path / "run"),
+        "--val_max_prompts", "24", "--val_every", "2", "--save_every", "2", "--log_every", "1",
+    ]

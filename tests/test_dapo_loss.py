@@ -1,0 +1,519 @@
+"""Tests for dapo_loss: every loss against slow per-token Python code or hand-worked values."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from dapo_loss import (
+    LOSS_AGG_MODES,
+    aggregate,
+    entropy_from_logits,
+    group_advantages,
+    informative_groups,
+    kl_penalty,
+    length_penalty,
+    overlong_penalty,
+    policy_loss,
+    token_logprobs,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOW, HIGH, DUAL = 0.2, 0.28, 10.0
+
+
+# --- reference implementations ----------------------------------------------------------------
+
+
+def reference_policy_loss(logp, old_logp, adv, mask, mode, *, low=LOW, high=HIGH, c=DUAL,
+                          weights=None):
+    """The DAPO objective token by token in Python floats; returns (loss, clipfrac, lower, kl)."""
+    num_seqs, num_pos = len(logp), len(logp[0])
+    seq_sums, seq_lens = [0.0] * num_seqs, [0] * num_seqs
+    clipped = lower = kl = 0.0
+    for i in range(num_seqs):
+        for t in range(num_pos):
+            if not mask[i][t]:
+                continue
+            a = adv[i][t]
+            r = math.exp(min(max(logp[i][t] - old_logp[i][t], -20.0), 20.0))
+            l1, l2 = -a * r, -a * min(max(r, 1 - low), 1 + high)
+            loss = max(l1, l2)
+            if a < 0 and -a * c < loss:
+                loss = -a * c
+                lower += 1
+            clipped += l2 > l1
+            kl += old_logp[i][t] - logp[i][t]
+            seq_sums[i] += loss * (weights[i][t] if weights else 1.0)
+            seq_lens[i] += 1
+    tokens = sum(seq_lens)
+    if mode == "token-mean":
+        value = sum(seq_sums) / tokens
+    elif mode == "seq-mean-token-sum":
+        value = sum(seq_sums) / num_seqs
+    else:
+        value = sum(s / n for s, n in zip(seq_sums, seq_lens) if n) / num_seqs
+    return value, clipped / tokens, lower / tokens, kl / tokens
+
+
+def reference_from_tensors(logp, old_logp, adv, mask, mode, **kwargs):
+    adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
+    weights = kwargs.pop("weights", None)
+    return reference_policy_loss(logp.tolist(), old_logp.tolist(), adv.tolist(), mask.tolist(), mode,
+                                 weights=None if weights is None else weights.tolist(), **kwargs)
+
+
+# Log-ratios that put a token in every clip region for both signs of A (low 0.2, high 0.28):
+# r = 0.5 below 1-low, 0.9 and 1.2 inside, 1.5 above 1+high, 30 past the dual clip (c = 10),
+# and +-25, beyond the +-20 clamp of the log-ratio.
+REGION_LOG_RATIOS = [math.log(0.5), math.log(0.9), 0.0, math.log(1.2), math.log(1.5),
+                     math.log(30.0), 25.0, -25.0]
+
+
+def region_batch(dtype=torch.float64):
+    """Five sequences of eight tokens, A in {1, -1, 0, 2.5, -0.7}, ragged lengths."""
+    gen = torch.Generator().manual_seed(0)
+    old_logp = -torch.rand(5, 8, generator=gen, dtype=dtype) * 3
+    logp = old_logp + torch.tensor(REGION_LOG_RATIOS, dtype=dtype)
+    advantages = torch.tensor([1.0, -1.0, 0.0, 2.5, -0.7], dtype=dtype)
+    lengths = torch.tensor([8, 8, 6, 8, 3])
+    mask = torch.arange(8) < lengths[:, None]
+    return logp, old_logp, advantages, mask
+
+
+def ragged_batch(num_seqs=8, num_pos=7, seed=1):
+    """Random batch whose ratios straddle both clip bounds; lengths 1..num_pos."""
+    gen = torch.Generator().manual_seed(seed)
+    old_logp = -torch.rand(num_seqs, num_pos, generator=gen, dtype=torch.float64) * 4
+    logp = old_logp + torch.randn(num_seqs, num_pos, generator=gen, dtype=torch.float64) * 0.4
+    advantages = torch.randn(num_seqs, generator=gen, dtype=torch.float64)
+    lengths = torch.randint(1, num_pos + 1, (num_seqs,), generator=gen)
+    mask = torch.arange(num_pos) < lengths[:, None]
+    return logp, old_logp, advantages, mask
+
+
+# --- policy loss ------------------------------------------------------------------------------
+
+
+def test_policy_loss_hand_worked_values():
+    # One sequence, per-token A (the [N, T] form), low 0.2, high 0.28, c 10:
+    #   A= 1, r=1.5 : l1=-1.5, l2=-1.28          -> -1.28  (clip-higher active)
+    #   A= 1, r=0.5 : l1=-0.5, l2=-0.8           -> -0.5   (no clip for A>0 below 1-low)
+    #   A=-1, r=0.5 : l1= 0.5, l2= 0.8           ->  0.8   (clipped at 1-low)
+    #   A=-1, r=20  : l1=20,   l2= 1.28 -> 20, dual clip min(20, 10) -> 10
+    #   A= 0, r=3   :                            ->  0
+    #   A= 2, r=1   :                            -> -2
+    # token-mean = (-1.28 - 0.5 + 0.8 + 10 + 0 - 2) / 6 = 7.02 / 6 = 1.17
+    ratios = [1.5, 0.5, 0.5, 20.0, 3.0, 1.0]
+    old_logp = torch.full((1, 6), -2.0, dtype=torch.float64)
+    logp = old_logp + torch.tensor([ratios], dtype=torch.float64).log()
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, 0.0, 2.0]], dtype=torch.float64)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask)
+    assert_close(loss, torch.tensor(1.17, dtype=torch.float64))
+    assert_close(metrics["pg_clipfrac"], torch.tensor(2 / 6, dtype=torch.float64))  # tokens 1, 3
+    assert_close(metrics["pg_clipfrac_lower"], torch.tensor(1 / 6, dtype=torch.float64))  # token 4
+    assert_close(metrics["ppo_kl"], torch.tensor(-sum(map(math.log, ratios)) / 6, dtype=torch.float64))
+    # seq-mean-token-sum of one sequence is the plain sum 7.02.
+    loss_sum, _ = policy_loss(logp, old_logp, advantages, mask, loss_agg_mode="seq-mean-token-sum")
+    assert_close(loss_sum, torch.tensor(7.02, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_matches_python_loop_in_every_clip_region(mode):
+    logp, old_logp, advantages, mask = region_batch()
+    loss, metrics = policy_loss(logp, old_logp, advantages, mask, loss_agg_mode=mode)
+    expected, clipfrac, lower, kl = reference_from_tensors(logp, old_logp, advantages, mask, mode)
+    assert_close(loss.item(), expected)
+    assert_close(metrics["pg_clipfrac"].item(), clipfrac)
+    assert_close(metrics["pg_clipfrac_lower"].item(), lower)
+    assert_close(metrics["ppo_kl"].item(), kl)
+    assert 0 < lower < clipfrac  # the batch really exercises both clips
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_matches_python_loop_on_random_batch_with_is_weights(mode):
+    logp, old_logp, advantages, mask = ragged_batch()
+    weights = torch.rand(logp.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 2
+    loss, _ = policy_loss(logp, old_logp, advantages, mask, loss_agg_mode=mode, is_weights=weights,
+                          clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=3.0)
+    expected, *_ = reference_from_tensors(logp, old_logp, advantages, mask, mode, weights=weights,
+                                          low=0.1, high=0.15, c=3.0)
+    assert_close(loss.item(), expected)
+
+
+def test_is_weights_are_not_differentiated():
+    logp, old_logp, advantages, mask = ragged_batch()
+    logp.requires_grad_()
+    weights = torch.rand(logp.shape, dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(logp, old_logp, advantages, mask, is_weights=weights)
+    loss.backward()
+    assert weights.grad is None
+    assert logp.grad.abs().sum() > 0
+
+
+def test_sequence_advantages_broadcast_like_token_advantages():
+    logp, old_logp, advantages, mask = ragged_batch()
+    per_seq, _ = policy_loss(logp, old_logp, advantages, mask)
+    per_token, _ = policy_loss(logp, old_logp, advantages[:, None].expand_as(logp), mask)
+    assert_close(per_seq, per_token)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_masked_tokens_contribute_no_loss_and_no_gradient(mode):
+    logp, old_logp, advantages, mask = ragged_batch()
+    token_advantages = advantages[:, None].expand_as(logp).clone()
+    clean, _ = policy_loss(logp, old_logp, token_advantages, mask, loss_agg_mode=mode)
+
+    garbage = torch.where(torch.rand(logp.shape) < 0.5, 1e30, -1e30).double()
+    noisy_logp = torch.where(mask, logp, garbage).requires_grad_()
+    noisy_old = torch.where(mask, old_logp, -garbage)
+    noisy_adv = torch.where(mask, token_advantages, garbage)
+    loss, metrics = policy_loss(noisy_logp, noisy_old, noisy_adv, mask, loss_agg_mode=mode)
+    loss.backward()
+
+    assert_close(loss, clean)
+    assert all(torch.isfinite(v) for v in metrics.values())
+    assert torch.equal(noisy_logp.grad[~mask], torch.zeros_like(noisy_logp.grad[~mask]))
+    assert noisy_logp.grad[mask].abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("num_micro_batches", [1, 2, 4])
+def test_micro_batches_with_global_normalizer_reproduce_the_whole_batch(mode, num_micro_batches):
+    logp, old_logp, advantages, mask = ragged_batch()
+    whole_logp = logp.clone().requires_grad_()
+    whole, _ = policy_loss(whole_logp, old_logp, advantages, mask, loss_agg_mode=mode)
+    whole.backward()
+
+    normalizer = mask.sum().item() if mode == "token-mean" else mask.shape[0]
+    split_logp = logp.clone().requires_grad_()
+    total = 0.0
+    for rows in torch.arange(mask.shape[0]).chunk(num_micro_batches):
+        part, _ = policy_loss(split_logp[rows], old_logp[rows], advantages[rows], mask[rows],
+                              loss_agg_mode=mode, normalizer=normalizer)
+        part.backward()  # gradients accumulate in split_logp.grad as in gradient accumulation
+        total = total + part.detach()
+    assert_close(total, whole.detach())
+    assert_close(split_logp.grad, whole_logp.grad)
+
+
+def test_micro_batches_with_their_own_token_counts_do_not_add_up():
+    # Why the global normalizer exists: ragged micro-batches each divided by their own token
+    # count weight tokens unequally, so even their average differs from the whole-batch mean.
+    logp, old_logp, advantages, mask = ragged_batch()
+    whole, _ = policy_loss(logp, old_logp, advantages, mask)
+    halves = [policy_loss(logp[rows], old_logp[rows], advantages[rows], mask[rows])[0]
+              for rows in torch.arange(mask.shape[0]).chunk(2)]
+    assert not torch.allclose(sum(halves) / 2, whole)
+
+
+def test_equal_clip_ratios_reproduce_symmetric_ppo():
+    gen = torch.Generator().manual_seed(3)
+    old_logp = -torch.rand(6, 9, generator=gen, dtype=torch.float64) * 3
+    logp = old_logp + (torch.rand(6, 9, generator=gen, dtype=torch.float64) * 2 - 1)  # r in [1/e, e]
+    advantages = torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    mask = torch.ones(6, 9, dtype=torch.bool)
+    eps = 0.2
+    loss, _ = policy_loss(logp, old_logp, advantages, mask, clip_ratio_low=eps, clip_ratio_high=eps)
+    ratio = torch.exp(logp - old_logp)
+    textbook = -torch.min(ratio * advantages, ratio.clamp(1 - eps, 1 + eps) * advantages).mean()
+    assert_close(loss, textbook)
+
+
+def test_extreme_log_ratios_stay_finite():
+    # r is clamped to exp(+-20): A=1,  r=e^20  -> -1.28;  A=1,  r=e^-20 -> -e^-20;
+    #                             A=-1, r=e^20  -> 10 (dual clip); A=-1, r=e^-20 -> 0.8.
+    old_logp = torch.zeros(2, 2)
+    logp = torch.tensor([[1000.0, -1000.0], [1000.0, -1000.0]], requires_grad=True)
+    advantages = torch.tensor([1.0, -1.0])
+    loss, metrics = policy_loss(logp, old_logp, advantages, torch.ones(2, 2))
+    loss.backward()
+    assert_close(loss, torch.tensor((-1.28 - math.exp(-20) + 10 + 0.8) / 4))
+    assert torch.isfinite(logp.grad).all()
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_policy_loss_gradcheck(mode):
+    # Log-ratios stay inside (log 0.8, log 1.28) or far outside it, never near a clip kink.
+    gen = torch.Generator().manual_seed(4)
+    old_logp = -torch.rand(3, 5, generator=gen, dtype=torch.float64) * 2
+    log_ratio = torch.rand(3, 5, generator=gen, dtype=torch.float64) * 0.3 - 0.15
+    log_ratio[0, 0], log_ratio[1, 1], log_ratio[2, 2] = 0.6, -0.7, 3.0
+    advantages = torch.tensor([0.8, -1.3, -0.5], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    weights = torch.rand(3, 5, generator=gen, dtype=torch.float64) + 0.5
+    logp = (old_logp + log_ratio).requires_grad_()
+
+    def loss_of(x):
+        return policy_loss(x, old_logp, advantages, mask, loss_agg_mode=mode, is_weights=weights)[0]
+
+    assert torch.autograd.gradcheck(loss_of, (logp,))
+
+
+def test_policy_loss_rejects_bad_settings():
+    logp, old_logp, advantages, mask = ragged_batch()
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        policy_loss(logp, old_logp, advantages, mask, clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="valid modes: token-mean, seq-mean-token-mean"):
+        policy_loss(logp, old_logp, advantages, mask, loss_agg_mode="seq-mean")
+    with pytest.raises(ValueError, match="clip_ratio_low must be in"):
+        policy_loss(logp, old_logp, advantages, mask, clip_ratio_low=1.1)
+
+
+# --- aggregation ------------------------------------------------------------------------------
+
+
+def test_aggregate_hand_worked_values():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last sequence is empty
+    assert_close(aggregate(values, mask, "token-mean"), torch.tensor(7 / 3))  # (1+2+4)/3
+    assert_close(aggregate(values, mask, "token-mean", normalizer=10), torch.tensor(0.7))
+    assert_close(aggregate(values, mask, "seq-mean-token-mean"), torch.tensor(5.5 / 3))  # (1.5+4+0)/3
+    assert_close(aggregate(values, mask, "seq-mean-token-sum"), torch.tensor(7 / 3))  # (3+4+0)/3
+    assert_close(aggregate(values, mask, "seq-mean-token-sum", normalizer=2), torch.tensor(3.5))
+
+
+def test_aggregate_without_valid_tokens_is_zero_not_nan():
+    values = torch.full((2, 3), float("nan"), requires_grad=True)
+    mask = torch.zeros(2, 3)
+    for mode in LOSS_AGG_MODES:
+        result = aggregate(values, mask, mode)
+        result.backward()
+        assert result.item() == 0.0
+        assert torch.equal(values.grad, torch.zeros(2, 3))
+
+
+# --- advantages and dynamic sampling ----------------------------------------------------------
+
+
+def test_group_advantages_hand_worked():
+    # Group 1 [1,-1,-1,-1]: mean -0.5, unbiased var (1.5^2 + 3 * 0.5^2) / 3 = 1, std 1.
+    # Group 2 [1,1,-1,-1]: mean 0, var 4/3, std 2/sqrt(3): A = +-1 / (2/sqrt(3) + 1e-6) ~ +-0.866.
+    rewards = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
+    std2 = 2 / math.sqrt(3)
+    expected = torch.tensor([1.5, -0.5, -0.5, -0.5]) / (1 + 1e-6)
+    expected = torch.cat([expected, torch.tensor([1.0, 1.0, -1.0, -1.0]) / (std2 + 1e-6)])
+    assert_close(group_advantages(rewards, 4), expected)
+
+
+def test_group_advantages_constant_group_is_zero_and_groups_stay_separate():
+    rewards = torch.tensor([0.7, 0.7, 0.7, 1.0, 0.0, 1.0])
+    advantages = group_advantages(rewards, 3)
+    assert torch.equal(advantages[:3], torch.zeros(3))
+    assert advantages[4] < 0 < advantages[3]
+
+
+def test_group_advantages_singleton_group_is_raw_reward():
+    rewards = torch.tensor([1.0, -1.0, 0.25])
+    assert_close(group_advantages(rewards, 1), rewards / (1 + 1e-6))
+    assert_close(group_advantages(rewards, 1), rewards)
+    assert_close(group_advantages(rewards, 1, norm_by_std=False), rewards)
+
+
+def test_group_advantages_without_std_normalisation():
+    rewards = torch.tensor([1, 0, 0, 0, 1, 1], dtype=torch.int64)  # integer rewards are accepted
+    assert_close(group_advantages(rewards, 3, norm_by_std=False),
+                 torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3]))
+
+
+def test_group_advantages_rejects_ragged_groups():
+    with pytest.raises(ValueError, match="multiple of group_size=4"):
+        group_advantages(torch.zeros(6), 4)
+
+
+def test_informative_groups():
+    metric = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.4])
+    assert informative_groups(metric, 3).tolist() == [False, True, False, True]
+    assert informative_groups(torch.tensor([1.0, 1.0, 0.0]), 1).tolist() == [True, True, True]
+    assert informative_groups(torch.tensor([True, True, True, False]), 2).tolist() == [False, True]
+
+
+# --- KL, overlong and length penalties --------------------------------------------------------
+
+
+def test_kl_estimators_hand_worked():
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref_logp = torch.tensor([[-2.0, -1.0]])
+    # d = ref - logp = [-1, 1]: k3 = exp(d) - d - 1 = [e^-1, e - 2]
+    assert_close(kl_penalty(logp, ref_logp, "k1"), torch.tensor([[1.0, -1.0]]))
+    assert_close(kl_penalty(logp, ref_logp, "k2"), torch.tensor([[0.5, 0.5]]))
+    assert_close(kl_penalty(logp, ref_logp, "k3"), torch.tensor([[math.exp(-1), math.e - 2]]))
+    assert_close(kl_penalty(logp, ref_logp, "abs"), torch.tensor([[1.0, 1.0]]))
+    # k3 clamps: d = 30 -> clamp to 20 -> exp(20) - 21 -> clamp to 10
+    assert kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() == 10.0
+
+
+def test_kl_k3_is_non_negative_and_aliases_agree():
+    gen = torch.Generator().manual_seed(5)
+    logp = -torch.rand(16, 32, generator=gen) * 10
+    ref_logp = -torch.rand(16, 32, generator=gen) * 10
+    assert (kl_penalty(logp, ref_logp, "k3") >= 0).all()
+    for name, alias in [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")]:
+        assert torch.equal(kl_penalty(logp, ref_logp, name), kl_penalty(logp, ref_logp, alias))
+    with pytest.raises(ValueError, match="valid kinds: k1, kl, k2, mse, k3, low_var_kl, abs"):
+        kl_penalty(logp, ref_logp, "k4")
+
+
+def test_overlong_penalty_boundaries():
+    # L_max 20, L_buf 4, f 1: free up to 16, then linear to -1 at 20.
+    lengths = torch.tensor([0, 10, 16, 17, 18, 20])
+    penalty = overlong_penalty(lengths, max_response_length=20, buffer_len=4, penalty_factor=1.0)
+    assert penalty.dtype == torch.float32
+    assert_close(penalty, torch.tensor([0.0, 0.0, 0.0, -0.25, -0.5, -1.0]))
+    scaled = overlong_penalty(lengths, max_response_length=20, buffer_len=4, penalty_factor=0.5)
+    assert_close(scaled, penalty * 0.5)
+    disabled = overlong_penalty(lengths, max_response_length=20, buffer_len=0, penalty_factor=1.0)
+    assert torch.equal(disabled, torch.zeros(6))
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty(lengths, max_response_length=20, buffer_len=21, penalty_factor=1.0)
+
+
+def test_length_penalty_value_and_gradient():
+    # Lengths 1 and 3: mean 2, rho = [0.5, 1.5]; masked means -1 and (-2-4-6)/3 = -4.
+    # value = coef * (0.5 * -1 + 1.5 * -4) / 2 = -3.25 coef. The garbage 99s are masked.
+    logp = torch.tensor([[-1.0, 99.0, 99.0], [-2.0, -4.0, -6.0]], requires_grad=True)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    value = length_penalty(logp, mask, coef=0.1)
+    assert_close(value, torch.tensor(-0.325))
+    value.backward()
+    grad = logp.grad
+    assert torch.equal(grad[mask == 0], torch.zeros(2))
+    # d/dlogp = coef * rho_i / (N |o_i|) = coef / total tokens = 0.1 / 4 for every valid token,
+    # so the push on a response's log-probability (its summed gradient) is proportional to its
+    # length: 3x larger for the 3-token response than for the 1-token one.
+    assert_close(grad[mask == 1], torch.full((4,), 0.025))
+    assert_close(grad[1].sum(), 3 * grad[0].sum())
+    # Without rho (plain seq-mean of token means) each response would get the same total push.
+    logp.grad = None
+    aggregate(logp, mask, "seq-mean-token-mean").backward()
+    assert_close(logp.grad[1].sum(), logp.grad[0].sum())
+
+
+def test_length_penalty_with_empty_rows_is_finite():
+    logp = torch.full((2, 3), float("nan"), requires_grad=True)
+    value = length_penalty(logp, torch.zeros(2, 3), coef=1.0)
+    value.backward()
+    assert value.item() == 0.0
+    assert torch.equal(logp.grad, torch.zeros(2, 3))
+
+
+# --- log-probs and entropy from logits --------------------------------------------------------
+
+
+def reference_logprobs_and_entropy(logits, tokens, temperature):
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(-1, tokens[..., None]).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_bytes", [4 * 11 * 4, 2**20])  # 4 rows per block (ragged) / one block
+def test_logprobs_and_entropy_match_log_softmax(dtype, chunk_bytes):
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(3, 5, 11, generator=gen) * 4).to(dtype)
+    tokens = torch.randint(0, 11, (3, 5), generator=gen)
+    upstream = torch.randn(3, 5, generator=gen)
+    temperature = 0.7
+
+    leaf = logits.clone().requires_grad_()
+    logp = token_logprobs(leaf, tokens, temperature, chunk_bytes=chunk_bytes)
+    entropy = entropy_from_logits(leaf, temperature, chunk_bytes=chunk_bytes)
+    assert logp.dtype == entropy.dtype == torch.float32
+    ref_logp, ref_entropy = reference_logprobs_and_entropy(leaf, tokens, temperature)
+
+    # Same upcast inputs on both sides: float32-level agreement even for bf16 logits; the
+    # gradients are rounded to the logits' dtype on both sides.
+    assert_close(logp, ref_logp)
+    assert_close(entropy, ref_entropy)
+    for ours, ref in [(logp, ref_logp), (entropy, ref_entropy)]:
+        (grad,) = torch.autograd.grad((ours * upstream).sum(), leaf)
+        (ref_grad,) = torch.autograd.grad((ref * upstream).sum(), leaf, retain_graph=True)
+        assert grad.dtype == dtype
+        assert_close(grad, ref_grad)
+
+
+def test_logprobs_and_entropy_gradcheck():
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 3, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 7, (2, 3), generator=gen)
+    two_rows = 2 * 7 * 8  # blocks of two rows: three blocks for six rows
+    assert torch.autograd.gradcheck(
+        lambda x: token_logprobs(x, tokens, 0.6, chunk_bytes=two_rows), (logits,))
+    assert torch.autograd.gradcheck(
+        lambda x: entropy_from_logits(x, 1.3, chunk_bytes=two_rows), (logits,))
+
+
+def test_logprobs_reject_non_positive_temperature():
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        token_logprobs(torch.zeros(1, 1, 3), torch.zeros(1, 1, dtype=torch.long), 0.0)
+
+
+MEMORY_PROBE = textwrap.dedent("""
+    import gc, json, resource, torch
+    from dapo_loss import entropy_from_logits, token_logprobs
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    def peak():  # ru_maxrss is in KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    torch.set_num_threads(1)
+    vocab = 151936  # Qwen3
+    logits = torch.empty(4, 128, vocab, dtype=torch.bfloat16).uniform_(-8, 8)
+    tokens = torch.randint(0, vocab, (4, 128))
+    token_logprobs(logits[:1, :2], tokens[:1, :2]), entropy_from_logits(logits[:1, :2])  # warm-up
+
+    extra = {}
+    def measure(name, fn):
+        gc.collect()
+        before = rss()
+        result = fn()
+        extra[name] = peak() - before
+        return result
+
+    def backward(output):
+        output.sum().backward()
+        logits.grad = None
+
+    # ru_maxrss never decreases, so the probes run from the tightest bound to the loosest.
+    # Forward with autograd recording: a naive loop would keep every float32 block for backward.
+    logits.requires_grad_()
+    logprobs = measure("logprobs_forward", lambda: token_logprobs(logits, tokens, 0.7))
+    entropy = measure("entropy_forward", lambda: entropy_from_logits(logits, 0.7))
+    measure("logprobs_backward", lambda: backward(logprobs))
+    measure("entropy_backward", lambda: backward(entropy))
+    print(json.dumps({"extra": extra, "full_fp32": logits.numel() * 4, "grad": logits.numel() * 2}))
+""")
+
+
+def test_logprobs_and_entropy_peak_memory_is_bounded_for_qwen3_vocabulary():
+    # A fresh process so the peak RSS belongs to these calls alone. Fixing glibc's mmap
+    # threshold makes freed blocks go back to the OS at once, so RSS follows live tensors
+    # instead of heap fragmentation. Logits [4, 128, 151936] bf16: 148 MiB; one float32 copy
+    # 297 MiB (log_softmax on it peaks at ~2 copies); the gradient (bf16) 148 MiB.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20),
+               PYTHONPATH=str(REPO_ROOT))
+    probe = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    report = json.loads(probe.stdout.strip().splitlines()[-1])
+    extra, full_fp32, grad = report["extra"], report["full_fp32"], report["grad"]
+    mib = {name: round(value / 2**20) for name, value in extra.items()}
+    assert extra["logprobs_forward"] < full_fp32 / 3, mib
+    assert extra["entropy_forward"] < full_fp32 / 3, mib
+    # Backward must allocate the gradient itself, and beyond it only bounded blocks.
+    assert extra["logprobs_backward"] < grad + full_fp32 / 3, mib
+    assert extra["entropy_backward"] < grad + full_fp32 / 3, mib

@@ -1,0 +1,146 @@
+"""The one-process DAPO loop end to end: a real step, overrides, alarms, skipped steps, determinism."""
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_dapo
+from config import Derived, load_config
+from device import select_platform
+from metrics import TIMING_COLUMNS, AlarmMonitor
+
+
+def read_metrics(out_dir: Path) -> list[dict[str, str]]:
+    with (out_dir / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def make_trainer(argv, cls=train_dapo.Trainer):
+    cfg = load_config(argv)
+    Path(cfg.run.output_dir).mkdir(parents=True, exist_ok=True)
+    return cls(cfg, select_platform("cpu"), Derived.of(cfg, 1))
+
+
+def test_one_full_step_trains_and_writes_everything(demo_argv, tmp_path):
+    trainer = make_trainer(demo_argv + ["--max_steps", "2"])
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    trainer.train()
+    out = tmp_path / "run"
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    assert rows[0]["val_acc"] != "" and rows[1]["val_acc"] == "" and rows[2]["val_acc"] != ""
+    for row in rows[1:]:
+        assert math.isfinite(float(row["policy_loss"])) and float(row["grad_norm"]) > 0
+        assert int(row["optimizer_steps"]) == 3 * int(row["step"])  # 48 sequences / 16 per mini-batch
+        assert 0 <= float(row["acc_mean"]) <= 1 and int(row["num_gen_batches"]) >= 1
+    changed = [k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "no weight changed after two steps"
+    rollout = dict(trainer.rollout_model.state_dict())
+    assert all(torch.equal(rollout[k], v) for k, v in trainer.policy.state_dict().items()), "weights not synced"
+    assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert (out / "config.yaml").is_file() is False  # written by main(), not by the Trainer
+
+
+def test_main_writes_config_and_env_report_and_is_deterministic(demo_argv, tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        argv = demo_argv + ["--max_steps", "3", "--output_dir", str(tmp_path / name)]
+        assert train_dapo.main(argv) == 0
+        runs.append(read_metrics(tmp_path / name))
+        assert (tmp_path / name / "config.yaml").is_file() and (tmp_path / name / "env_report.json").is_file()
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in rows]  # noqa: E731
+    assert strip(runs[0]) == strip(runs[1])
+    assert len(runs[0]) == 4
+
+
+def test_existing_checkpoints_are_not_overwritten(demo_argv, tmp_path, capsys):
+    argv = demo_argv + ["--max_steps", "2"]
+    assert train_dapo.main(argv) == 0
+    before = (tmp_path / "run" / "metrics.csv").read_bytes()
+    assert train_dapo.main(argv) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert (tmp_path / "run" / "metrics.csv").read_bytes() == before
+
+
+class DoubledAdvantages(train_dapo.Trainer):
+    calls = 0
+
+    def compute_advantages(self, batch):
+        DoubledAdvantages.calls += 1
+        return 2 * super().compute_advantages(batch)
+
+
+def test_compute_advantages_override_takes_effect(demo_argv):
+    base = make_trainer(demo_argv + ["--max_steps", "1", "--save_every", "0", "--val_every", "0"])
+    batch, _ = base.collect_step_batch()
+    default = base.compute_advantages(batch)
+    doubled = make_trainer(demo_argv + ["--max_steps", "1", "--save_every", "0", "--val_every", "0"],
+                           DoubledAdvantages)
+    assert torch.allclose(doubled.compute_advantages(batch), 2 * default)
+    doubled.train()
+    assert DoubledAdvantages.calls >= 2  # once here, once inside the training step
+
+
+def test_update_policy_override_receives_the_step(demo_argv, tmp_path):
+    seen = {}
+
+    class Recording(train_dapo.Trainer):
+        def update_policy(self, batch, advantages):
+            seen["groups"], seen["adv"] = batch.num_groups, advantages.shape
+            return {"policy_loss": 123.0}
+
+    make_trainer(demo_argv + ["--max_steps", "1", "--save_every", "0", "--val_every", "0"], Recording).train()
+    assert seen == {"groups": 6, "adv": torch.Size([48])}
+    assert read_metrics(tmp_path / "run")[-1]["policy_loss"] == "123.0"
+
+
+def test_non_finite_gradient_step_is_skipped_not_applied(demo_argv):
+    trainer = make_trainer(demo_argv + ["--max_steps", "1"])
+    before = {k: v.clone() for k, v in trainer.policy.named_parameters()}
+    for p in trainer.policy.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    assert trainer.optimizer_step() == 0.0
+    assert trainer.skipped_steps == 1 and trainer.optimizer_steps == 0
+    assert all(torch.equal(p, before[k]) for k, p in trainer.policy.named_parameters())
+    assert all(p.grad is None for p in trainer.policy.parameters())
+
+
+def test_lr_warmup_starts_non_zero_and_kl_schedule(demo_argv):
+    trainer = make_trainer(demo_argv + ["--lr_warmup_steps", "4", "--learning_rate", "1e-4",
+                                        "--kl_coef_init", "0.05", "--kl_warmup_steps", "3", "--kl_coef", "0.01"])
+    assert [trainer.lr_at(s) for s in range(5)] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4])
+    assert [trainer.kl_coef_at(s) for s in range(5)] == [0.05, 0.05, 0.05, 0.01, 0.01]
+    assert trainer.ref_model is not None
+
+
+def test_kl_loss_runs_with_a_reference_model(demo_argv, tmp_path):
+    trainer = make_trainer(demo_argv + ["--max_steps", "1", "--kl_coef", "0.1", "--save_every", "0", "--val_every", "0"])
+    trainer.train()
+    row = read_metrics(tmp_path / "run")[-1]
+    assert float(row["kl"]) >= 0 and row["kl_coef"] == "0.1"
+
+
+def test_alarm_rules_on_synthetic_sequences():
+    monitor = AlarmMonitor(length_rising_steps=3, overfit_checks=2)
+    assert monitor.observe_step(kl=0.010, length=10, reward_std=0.5) == []
+    assert any("learning rate" in m for m in monitor.observe_step(kl=0.035, length=11, reward_std=0.5))
+    assert monitor.observe_step(kl=0.036, length=12, reward_std=0.5) == []
+    assert any("length penalty" in m for m in monitor.observe_step(kl=0.037, length=13, reward_std=0.5))
+    assert monitor.observe_step(kl=0.037, length=12, reward_std=0.5) == []  # the streak breaks
+    assert any("no signal" in m for m in monitor.observe_step(kl=0.037, length=12, reward_std=0.0))
+    assert monitor.observe_validation(val_reward=0.5, train_reward=0.1) == []
+    assert monitor.observe_validation(val_reward=0.4, train_reward=0.2) == []
+    assert any("memorising" in m for m in monitor.observe_validation(val_reward=0.3, train_reward=0.3))
+    assert monitor.observe_validation(val_reward=0.35, train_reward=0.4) == []  # val recovered
+    assert monitor.counts == {"alarm_kl_jump": 1, "alarm_length_rising": 1, "alarm_no_signal": 1, "alarm_overfit": 1}
+
+
+def test_bad_dataset_row_exits_2_with_one_line(demo_argv, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
+    assert train_dapo.main(demo_argv + ["--dataset", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl" in err[0] and "2" in err[0]

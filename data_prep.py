@@ -41,7 +41,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -54,6 +53,10 @@ import numpy as np
 
 class DataError(ValueError):
     """Bad user input (file, row, field, model folder); the message is one line naming it."""
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,33 +92,39 @@ class PromptSet:
         return len(self.prompt_ids)
 
 
+def _invalid_json(where: str, exc: json.JSONDecodeError) -> DataError:
+    return DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})")
+
+
 def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, str, Any]]:
-    for line_number, line in enumerate(text.splitlines(), start=1):
+    # Split on "\n" only: str.splitlines also splits at U+2028, which JSON strings may hold raw.
+    for line_number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{path}:{line_number}"
         try:
             yield line_number, where, json.loads(line)
         except json.JSONDecodeError as exc:
-            yield line_number, where, DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})")
+            yield line_number, where, _invalid_json(where, exc)
 
 
 def _json_records(path: Path, text: str) -> Iterator[tuple[int, str, Any]]:
     """A list of row objects, an object holding such a list under "data", or JSON Lines."""
-    if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-    else:
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError:
-            document = None  # JSON Lines in a .json file, as Dataset.to_json writes them
-        if not (isinstance(document, dict) and isinstance(document.get("data"), list)):
-            yield from _jsonl_records(path, text)
-            return
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        # "Extra data": a first document parsed and more follow, i.e. JSON Lines (Dataset.to_json
+        # writes those into .json files); anything else is a broken single document.
+        if exc.msg != "Extra data" or text.lstrip().startswith("["):
+            raise _invalid_json(f"{path}:{exc.lineno}", exc) from None
+        document = None
+    if isinstance(document, list):
+        rows = document
+    elif isinstance(document, dict) and isinstance(document.get("data"), list):
         rows = document["data"]
+    else:
+        yield from _jsonl_records(path, text)
+        return
     for row_number, row in enumerate(rows, start=1):
         yield row_number, f"{path}: row {row_number}", row
 
@@ -126,7 +135,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[int, str, Any]]:
     try:
         table = datasets.load_dataset("parquet", data_files=str(path), split="train")
     except Exception as exc:  # arrow raises its own types for damaged files
-        raise DataError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
+        raise DataError(f"{path}: not a readable Parquet file ({_one_line(exc)})") from None
     for row_number, row in enumerate(table, start=1):
         yield row_number, f"{path}: row {row_number}", row
 
@@ -237,7 +246,7 @@ def render_prompts(rows: PromptRows, tokenizer, *, max_prompt_length: Optional[i
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # templates raise jinja errors of their own for unsupported turns
             if not skip_bad_rows:
-                raise DataError(f"{rows.locations[index]}: chat template failed ({' '.join(str(exc).split())})") from None
+                raise DataError(f"{rows.locations[index]}: chat template failed ({_one_line(exc)})") from None
             num_bad_rows += 1
             continue
         kept.append(index)
@@ -411,7 +420,7 @@ def _load_tokenizer(path: str, flag: str):
 def _stop_ids(model, tokenizer) -> list[int]:
     configured = model.generation_config.eos_token_id
     configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
-    return sorted(set(configured) | {tokenizer.eos_token_id} - {None})
+    return sorted((set(configured) | {tokenizer.eos_token_id}) - {None})
 
 
 def generate_responses(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -543,6 +552,9 @@ def cmd_reward_check(args: argparse.Namespace) -> None:
             raise DataError(f"{missing[0]}: no {args.answer_key!r}; without --model_path reward-check scores the "
                             f"reference answers")
         # Without a policy, the reward model's own chat template renders the prompt text.
+        if scorer and not getattr(scorer.tokenizer, "chat_template", None):
+            raise DataError(f"--reward_model {args.reward_model}: its tokenizer has no chat template to render "
+                            f"prompts with; pass --model_path to render them with the policy's")
         prompts = render_prompts(rows, scorer.tokenizer) if scorer else None
         responses = list(rows.answers)
         source = f"reference answers of {len(responses)} rows"
@@ -820,7 +832,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args.run(args)
     except (DataError, ValueError, FileNotFoundError, OSError) as exc:
-        print(f"data_prep.py {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"data_prep.py {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     return 0
 

@@ -66,6 +66,8 @@ def console_line(row: dict[str, Any]) -> str:
         return "-" if value is None else format(value, fmt)
 
     val = f" val_acc {num('val_acc', '.3f')}" if row.get("val_acc") is not None else ""
+    if row.get("policy_loss") is None:  # the validation-only row before training
+        return f"step {row['step']:>5} | val_reward {num('val_reward_mean', '+.3f')}{val}"
     return (
         f"step {row['step']:>5} | reward {num('reward_mean', '+.3f')} acc {num('acc_mean', '.3f')} "
         f"| kl {num('kl', '.4f')} ent {num('entropy', '.3f')} len {num('response_length_mean', '.1f')} "

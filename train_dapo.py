@@ -426,7 +426,7 @@ class Trainer:
             row: dict[str, Any] = {"step": 0}
             self.run_validation(row)
             self.metrics.write(row)
-            log(f"step     0 | val_reward {row['val_reward_mean']:+.3f} val_acc {row['val_acc']}")
+            log(console_line(row))
         while self.step < cfg.max_steps:
             row = self.train_step()
             messages = self.alarms.observe_step(kl=row.get("kl"), length=row["response_length_mean"],

@@ -473,6 +473,9 @@ def main(argv: list[str]) -> int:
         if cfg.data.val_dataset is None and cfg.run.val_every:
             warn("no val_dataset: validation is off")
         plat = select_platform(cfg.run.device)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
         for message in warnings_for(cfg):
             warn(message)
         out = prepare_output_dir(cfg)

@@ -7,7 +7,7 @@ usage() {
   cat >&2 <<'TXT'
 usage: ./launch.sh COMMAND [ARGS...]
   setup                   create .venv (unless a virtualenv is active) and install the project; keeps an installed torch
-  demo [--KEY VALUE ...]  build the offline demo assets if absent and train on them (CPU, 8 ranks)
+  demo [--KEY VALUE ...]  build the offline demo assets if absent and train on them (CPU, one process)
   test [PYTEST ARGS...]   run the test suite
   smoke                   environment checks: a matmul on the device, a 2-process all_reduce
   train CONFIG [--KEY VALUE ...]

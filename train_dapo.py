@@ -118,7 +118,10 @@ class Trainer:
         self.policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                            local_files_only=True).to(plat.device)
         if cfg.model.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            # transformers renamed the switch; take whichever this version has.
+            enable = getattr(self.policy, "activation_checkpointing_enable", None) or \
+                self.policy.gradient_checkpointing_enable
+            enable()
         self.policy.config.use_cache = False
         self.rollout_model = self._rollout_copy(self.policy)
         self.ref_model = None

@@ -428,26 +428,24 @@ def generate_responses(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *,
                        batch_size: int = 64) -> list[tuple[list[int], bool]]:
     """Per prompt: (response token ids before the first stop token, whether a stop token came).
 
-    Plain Hugging Face generate on left-padded batches; sampling draws from the global torch
-    RNG, so seed it first for repeatable samples.
+    Uses the trainer's own generation engine (rollout.generate); sampling draws from the global
+    torch RNG, so seed it first for repeatable samples.
     """
-    import torch
+    from rollout import generate, left_pad
 
     stop_ids = _stop_ids(model, tokenizer)
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if do_sample else {"do_sample": False}
     results: list[tuple[list[int], bool]] = []
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        for start in range(0, len(prompt_ids), batch_size):
-            batch = tokenizer.pad({"input_ids": [list(p) for p in prompt_ids[start:start + batch_size]]},
-                                  padding_side="left", return_tensors="pt")
-            output = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
-                                    pad_token_id=tokenizer.pad_token_id, **sampling)
-            for row in output[:, batch["input_ids"].shape[1]:].tolist():
-                stop = next((i for i, token in enumerate(row) if token in stop_ids), None)
-                results.append((row if stop is None else row[:stop], stop is not None))
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[start:start + batch_size]
+        ids, mask = left_pad(chunk, max(len(p) for p in chunk), tokenizer.pad_token_id)
+        out = generate(model, ids, mask, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                       pad_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p, greedy=not do_sample)
+        for row, row_mask, truncated in zip(out.response_ids.tolist(), out.response_mask.tolist(),
+                                            out.truncated.tolist()):
+            kept = row[:sum(row_mask)]
+            results.append((kept if truncated else kept[:-1], not truncated))
     model.train(was_training)
     return results
 

@@ -323,6 +323,8 @@ def validate(cfg: Config) -> None:
         (cfg.run.keep_last >= 1, "keep_last must be >= 1"),
         (cfg.run.log_every >= 1 and cfg.run.val_every >= 0, "log_every must be >= 1 and val_every >= 0"),
         (cfg.run.dist_timeout_s > 0, "dist_timeout_s must be > 0"),
+        (not (cfg.model.reward_model and cfg.rollout.dynamic_sampling_metric == "acc"),
+         "dynamic_sampling_metric acc needs a rule reward (reward_fn); a reward_model has no notion of correct"),
     ]
     for ok, message in checks:
         if not ok:

@@ -44,6 +44,7 @@ def test_article_launch_flags_are_accepted_as_written():
     (["--eos_token_ids", "[1, x]"], "'eos_token_ids' expects a list of integers"),
     (["--clip_ratio_c", "0.5"], "clip_ratio_c must be > 1"),
     (["--kl_coef"], "--kl_coef needs a value"),
+    (["--reward_model", "/rm", "--dynamic_sampling_metric", "acc"], "a reward_model has no notion of correct"),
 ])
 def test_bad_command_line_values_name_the_key(argv, needle):
     with pytest.raises(ConfigError) as err:

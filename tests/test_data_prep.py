@@ -44,10 +44,8 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
-    build_demo_assets(out, seed=0)
-    return out
+def demo_dir(demo_assets) -> Path:
+    return demo_assets  # built once per session in conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -212,14 +212,19 @@ def overlong_penalty(lengths: Tensor, *, max_response_length: int, buffer_len: i
     return torch.clamp(-overshoot / buffer_len * penalty_factor, max=0.0)
 
 
-def length_penalty(logp: Tensor, mask: Tensor, *, coef: float) -> Tensor:
+def length_penalty(logp: Tensor, mask: Tensor, *, coef: float, normalizer: Normalizer = None) -> Tensor:
     """coef * mean_i(rho_i * masked_mean_t(logp[i, t])), rho_i = |o_i| / mean_j |o_j| (§5).
 
     logp, mask: [N, T]; returns a scalar. rho is a constant but, unlike the seed's `.detach()`
     of the whole term, the gradient flows through logp. Since rho_i / |o_i| = 1 / mean_j |o_j|,
-    every valid token gets the same gradient coef / (total valid tokens): a response's summed
-    gradient, and so the push on its log-probability, grows with its length.
+    the term equals coef * sum(logp * mask) / (total valid tokens): every valid token gets the
+    same gradient, so a response's summed gradient, the push on its log-probability, grows
+    with its length. That identity is what makes it splittable: pass the whole optimizer
+    step's valid-token count as ``normalizer`` and the micro-batch terms sum to the term of
+    the whole step (None = this call's own count).
     """
+    if normalizer is not None:
+        return coef * aggregate(logp, mask, "token-mean", normalizer)
     lengths = mask.bool().sum(dim=-1).to(logp.dtype)
     # All-empty batch: mean 0, every rho is 0 / tiny = 0 instead of NaN.
     rho = lengths / lengths.mean().clamp_min(torch.finfo(logp.dtype).tiny)

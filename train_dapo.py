@@ -340,7 +340,10 @@ class Trainer:
                         loss = loss + kl_coef * kl
                         sums["kl"] += kl.item()
                     if algo.length_penalty_coef:
-                        penalty = dapo_loss.length_penalty(logp, part_mask, coef=algo.length_penalty_coef) * share
+                        # Normalised by the mini-batch's tokens, so the micro-batch terms add up to
+                        # the penalty of the whole mini-batch (rho relative to its mean length).
+                        penalty = dapo_loss.length_penalty(logp, part_mask, coef=algo.length_penalty_coef,
+                                                           normalizer=int(mask[rows].sum()))
                         loss = loss + penalty
                         sums["length_penalty"] += penalty.item()
                     loss.backward()

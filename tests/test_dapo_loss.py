@@ -517,3 +517,20 @@ def test_logprobs_and_entropy_peak_memory_is_bounded_for_qwen3_vocabulary():
     # Backward must allocate the gradient itself, and beyond it only bounded blocks.
     assert extra["logprobs_backward"] < grad + full_fp32 / 3, mib
     assert extra["entropy_backward"] < grad + full_fp32 / 3, mib
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 4])
+def test_length_penalty_split_with_global_normalizer_matches_whole_batch(pieces):
+    gen = torch.Generator().manual_seed(11)
+    logp = -torch.rand(8, 6, generator=gen, dtype=torch.float64)
+    lengths = torch.tensor([1, 6, 2, 5, 3, 4, 6, 1])
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).to(torch.float64)
+    whole_logp = logp.clone().requires_grad_(True)
+    whole = length_penalty(whole_logp, mask, coef=0.7)
+    whole.backward()
+    split_logp = logp.clone().requires_grad_(True)
+    total = sum(length_penalty(part, m, coef=0.7, normalizer=mask.sum())
+                for part, m in zip(split_logp.chunk(pieces), mask.chunk(pieces)))
+    total.backward()
+    assert_close(total, whole)
+    assert_close(split_logp.grad, whole_logp.grad)

@@ -222,6 +222,11 @@ def length_penalty(logp: Tensor, mask: Tensor, *, coef: float, normalizer: Norma
     with its length. That identity is what makes it splittable: pass the whole optimizer
     step's valid-token count as ``normalizer`` and the micro-batch terms sum to the term of
     the whole step (None = this call's own count).
+
+    Caveat, measured with bench/length_penalty.py: the same identity makes the term
+    coef * sum_i log pi(o_i) / (total tokens), one weight for every response, so on on-policy
+    samples its expected gradient is zero (E[grad log pi(o)] = 0) and it does not reliably
+    shorten responses.
     """
     if normalizer is not None:
         return coef * aggregate(logp, mask, "token-mean", normalizer)

@@ -4,6 +4,12 @@
 
 Builds the demo assets into runs/demo_assets if absent, trains twice in one process each, and
 prints the mean response length over the last steps of both runs and their ratio.
+
+What to expect: REFERENCE.md §5's term equals coef * sum_i log pi(o_i) / (total tokens), a
+score-function term with the same weight for every response, whose expected gradient under
+on-policy samples is zero (E[grad log pi(o)] = 0). Any difference this script shows is
+therefore sampling noise, in either direction; a term that reliably shortens responses needs
+a weight that grows with length (for example rho_i times the summed log-prob).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 STEP_PREFIX = "step_"
 COMPLETE = "COMPLETE"
@@ -77,8 +77,3 @@ def save_step(ckpt_root: Path, step: int, write_contents: Callable[[Path], None]
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-
-
-def latest_complete(ckpt_root: Path) -> Optional[Path]:
-    steps = complete_steps(ckpt_root)
-    return steps[-1] if steps else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -383,8 +382,3 @@ class Derived:
             minibatch_sequences=per_rank_mb,
             optimizer_steps_per_step=sequences // (per_rank_mb * learners) * cfg.optim.ppo_epochs,
         )
-
-
-def exit_on_config_error(error: ConfigError) -> typing.NoReturn:
-    print(f"error: {error}", file=sys.stderr)
-    raise SystemExit(2)

@@ -51,14 +51,6 @@ class MetricsWriter:
             csv.writer(f).writerow([_format(row.get(c)) for c in COLUMNS])
             f.flush()
 
-    def truncate_after(self, step: int) -> None:
-        """Drop rows past ``step`` (a resumed run rewrites the steps it re-does)."""
-        with self.path.open(newline="") as f:
-            rows = list(csv.reader(f))
-        kept = [rows[0]] + [r for r in rows[1:] if r and int(r[0]) <= step]
-        with self.path.open("w", newline="") as f:
-            csv.writer(f).writerows(kept)
-
 
 def console_line(row: dict[str, Any]) -> str:
     def num(key: str, fmt: str) -> str:

@@ -63,23 +63,24 @@ class SampleBatch:
     def select_rows(self, rows: torch.Tensor) -> "SampleBatch":
         return replace(self, **{k: v[rows] for k, v in self.tensors().items()})
 
+    def widen(self, width_p: int, width_r: int) -> "SampleBatch":
+        """The same samples padded to wider prompts (on the left) and responses (on the right)."""
+        grow_p, grow_r = width_p - self.prompt_ids.shape[1], width_r - self.response_ids.shape[1]
+        return replace(
+            self,
+            prompt_ids=F.pad(self.prompt_ids, (grow_p, 0), value=0),
+            prompt_mask=F.pad(self.prompt_mask, (grow_p, 0), value=False),
+            response_ids=F.pad(self.response_ids, (0, grow_r), value=0),
+            response_mask=F.pad(self.response_mask, (0, grow_r), value=False),
+            rollout_logp=F.pad(self.rollout_logp, (0, grow_r), value=0.0),
+        )
+
     @staticmethod
     def concat(batches: Sequence["SampleBatch"]) -> "SampleBatch":
         """Concatenate batches whose widths differ: prompts pad on the left, responses on the right."""
         width_p = max(b.prompt_ids.shape[1] for b in batches)
         width_r = max(b.response_ids.shape[1] for b in batches)
-        pad_left = lambda t, w, v: F.pad(t, (w - t.shape[1], 0), value=v)  # noqa: E731
-        pad_right = lambda t, w, v: F.pad(t, (0, w - t.shape[1]), value=v)  # noqa: E731
-        widened = []
-        for b in batches:
-            widened.append(replace(
-                b,
-                prompt_ids=pad_left(b.prompt_ids, width_p, 0),
-                prompt_mask=pad_left(b.prompt_mask, width_p, False),
-                response_ids=pad_right(b.response_ids, width_r, 0),
-                response_mask=pad_right(b.response_mask, width_r, False),
-                rollout_logp=pad_right(b.rollout_logp, width_r, 0.0),
-            ))
+        widened = [b.widen(width_p, width_r) for b in batches]
         first = widened[0]
         return replace(first, **{k: torch.cat([getattr(b, k) for b in widened]) for k in first.tensors()})
 

@@ -27,6 +27,8 @@ import dapo_loss
 from config import Config, ConfigError, Derived, load_config, warnings_for
 from device import DTYPES, Platform, seed_everything, select_platform, write_env_report
 from metrics import AlarmMonitor, MetricsWriter, console_line
+from distributed import (MORE, NEXT, Groups, Layout, PhaseError, WeightBroadcast, all_reduce_max, all_reduce_sum,
+                         broadcast_flag, broadcast_samples, gather_samples, init_world, phase)
 from rollout import GroupPool, RolloutWorker, SampleBatch, keep_informative, make_reward_source
 
 
@@ -76,7 +78,7 @@ class PromptStream:
 
 
 class Trainer:
-    """Rollout and learning in one process (world size 1).
+    """DAPO on one process (both roles) or on a rank of a torchrun job (one role).
 
     Override points (article 4.1):
 
@@ -84,14 +86,24 @@ class Trainer:
       DAPO's group-relative advantage, normalised within each prompt's group.
     - ``update_policy(batch, advantages) -> dict``: one training step on the step's samples;
       returns metrics for metrics.csv (keys among metrics.COLUMNS).
+
+    The step choreography (DESIGN.md), with s = max_staleness and v_k the weights after k
+    updates: the lead learner collects step j's samples, which rollout generated with
+    v_max(0, j-1-s), sends v_(j-1) (after collecting when s = 1, so rollout generates step
+    j+1 while step j trains; before collecting when s = 0), then the learners train step j.
+    With one process the same order runs with local hand-offs, so staleness means the same.
     """
 
-    def __init__(self, cfg: Config, plat: Platform, derived: Derived) -> None:
+    def __init__(self, cfg: Config, plat: Platform, derived: Derived,
+                 layout: Optional[Layout] = None, groups: Optional[Groups] = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from data_prep import DataError, load_prompts
 
         self.cfg, self.plat, self.derived = cfg, plat, derived
+        self.layout = layout or Layout(world_size=1, rank=0, num_learners=1)
+        self.groups = groups
+        self.single = self.layout.world_size == 1
         self.out_dir = Path(cfg.run.output_dir)
         model_path = Path(cfg.model.model_path)
         if not (model_path / "config.json").is_file():
@@ -113,59 +125,76 @@ class Trainer:
                      f"and left-truncated {prompts.num_truncated} prompts longer than max_prompt_length")
         if not self.train_set.prompt_ids:
             raise UserError(f"dataset {cfg.data.dataset}: no usable prompts")
+        if cfg.model.rollout_dtype == "fp8":
+            raise UserError("rollout_dtype fp8 is not supported yet in this build; use bf16 or fp32")
 
-        torch.manual_seed(cfg.run.seed)
-        self.policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                           local_files_only=True).to(plat.device)
-        if cfg.model.gradient_checkpointing:
-            # transformers renamed the switch; take whichever this version has.
-            enable = getattr(self.policy, "activation_checkpointing_enable", None) or \
-                self.policy.gradient_checkpointing_enable
-            enable()
-        self.policy.config.use_cache = False
-        self.rollout_model = self._rollout_copy(self.policy)
-        self.ref_model = None
-        if self.kl_coef_at(0) > 0 or cfg.algo.kl_coef > 0:
-            self.ref_model = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate, betas=(0.9, 0.999),
-                                           weight_decay=cfg.optim.weight_decay)
-        self.optimizer_steps = 0
-        self.skipped_steps = 0
+        load = lambda dtype: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+            model_path, dtype=dtype, local_files_only=True).to(plat.device)
         self.weight_version = 0
         self.step = 0
+        self.has_rollout = self.single or not self.layout.is_learner
+        if self.layout.is_learner:
+            torch.manual_seed(cfg.run.seed)
+            self.policy = load(torch.float32)
+            self.policy.config.use_cache = False
+            self.param_shapes = [p.shape for p in self.policy.parameters()]
+            if self.single:
+                self.rollout_model = copy.deepcopy(self.policy).to(DTYPES[cfg.model.rollout_dtype])
+            if cfg.model.gradient_checkpointing:
+                # transformers renamed the switch; take whichever this version has.
+                enable = getattr(self.policy, "activation_checkpointing_enable", None) or \
+                    self.policy.gradient_checkpointing_enable
+                enable()
+            self.ref_model = None
+            if self.kl_coef_at(0) > 0 or cfg.algo.kl_coef > 0:
+                self.ref_model = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            if self.layout.num_learners > 1:
+                self._shard_learner_models()
+            self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate,
+                                               betas=(0.9, 0.999), weight_decay=cfg.optim.weight_decay)
+            self.optimizer_steps = 0
+            self.skipped_steps = 0
+            self.full_weights: list[torch.Tensor] = []
+        else:
+            self.rollout_model = load(DTYPES[cfg.model.rollout_dtype])
+        if self.has_rollout:
+            self.rollout_model.eval().requires_grad_(False)
+            self.rollout_model.config.use_cache = True
+            stop_ids = sorted({self.tokenizer.eos_token_id, *cfg.model.eos_token_ids})
+            self.worker = RolloutWorker(
+                self.rollout_model, self.tokenizer,
+                make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device),
+                device=plat.device, stop_ids=stop_ids, max_response_length=cfg.rollout.max_response_length,
+                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                overlong_buffer_len=cfg.algo.overlong_buffer_len,
+                overlong_penalty_factor=cfg.algo.overlong_penalty_factor, bucket_size=cfg.data.bucket_size,
+            )
+            self.prompts = PromptStream([len(p) for p in self.train_set.prompt_ids], cfg.rollout.prompts_per_step,
+                                        cfg.data.bucket_size, cfg.run.seed)
+        if not self.single and (self.layout.is_lead or not self.layout.is_learner):
+            shapes = self.param_shapes if self.layout.is_learner else [p.shape for p in self.rollout_model.parameters()]
+            self.weights = WeightBroadcast(shapes, DTYPES[cfg.model.rollout_dtype], cfg.run.weight_sync_bucket_mb,
+                                           src=self.layout.lead_learner, group=groups.sync, device=plat.device)
+        if self.layout.is_lead:
+            self.pool = GroupPool()
+            self.alarms = AlarmMonitor(length_rising_steps=cfg.run.length_alarm_steps,
+                                       overfit_checks=cfg.run.overfit_alarm_checks)
+            self.metrics = MetricsWriter(self.out_dir / "metrics.csv")
+            self.train_rewards_since_val: list[float] = []
+            self.pending_rows: dict[int, dict[str, Any]] = {}
 
-        stop_ids = sorted({self.tokenizer.eos_token_id, *cfg.model.eos_token_ids})
-        self.worker = RolloutWorker(
-            self.rollout_model, self.tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device),
-            device=plat.device, stop_ids=stop_ids, max_response_length=cfg.rollout.max_response_length,
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-            overlong_buffer_len=cfg.algo.overlong_buffer_len, overlong_penalty_factor=cfg.algo.overlong_penalty_factor,
-            bucket_size=cfg.data.bucket_size,
-        )
-        self.prompts = PromptStream([len(p) for p in self.train_set.prompt_ids], cfg.rollout.prompts_per_step,
-                                    cfg.data.bucket_size, cfg.run.seed)
-        self.pool = GroupPool()
-        self.alarms = AlarmMonitor(length_rising_steps=cfg.run.length_alarm_steps,
-                                   overfit_checks=cfg.run.overfit_alarm_checks)
-        self.metrics = MetricsWriter(self.out_dir / "metrics.csv")
-        self.train_rewards_since_val: list[float] = []
+    def _shard_learner_models(self) -> None:
+        """FSDP2 over the learner group: parameters, gradients and optimizer state split (ZeRO-3)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
 
-    # ----- precision and weights -------------------------------------------------------------
+        mesh = DeviceMesh.from_group(self.groups.learners, self.plat.device.type)
+        for model in filter(None, (self.policy, self.ref_model)):
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
 
-    def _rollout_copy(self, policy: torch.nn.Module) -> torch.nn.Module:
-        dtype = self.cfg.model.rollout_dtype
-        if dtype == "fp8":
-            raise UserError("rollout_dtype fp8 is not supported yet in this build; use bf16 or fp32")
-        model = copy.deepcopy(policy).to(DTYPES[dtype]).eval().requires_grad_(False)
-        model.config.use_cache = True
-        return model
-
-    def sync_weights(self) -> None:
-        """Hand the learner's new weights to the rollout copy (in-process: a tensor copy)."""
-        with torch.no_grad():
-            for dst, src in zip(self.rollout_model.parameters(), self.policy.parameters()):
-                dst.copy_(src)
-        self.weight_version += 1
+    # ----- schedules and precision -------------------------------------------------------------
 
     def learner_autocast(self) -> contextlib.AbstractContextManager:
         # bf16 compute over fp32 master weights and optimizer state, as mixed-precision trainers do.
@@ -184,37 +213,121 @@ class Trainer:
         scale = min(1.0, (optimizer_step + 1) / warmup) if warmup > 0 else 1.0  # first step is non-zero
         return self.cfg.optim.learning_rate * scale
 
-    # ----- rollout ---------------------------------------------------------------------------
+    def val_due(self, version: int) -> bool:
+        run = self.cfg.run
+        if self.val_set is None:
+            return False
+        return version == 0 or (run.val_every > 0 and (version % run.val_every == 0 or version == run.max_steps))
 
-    def collect_step_batch(self) -> tuple[SampleBatch, dict[str, Any]]:
-        """Generate until ``prompts_per_step`` informative groups are pooled (REFERENCE.md §3)."""
+    # ----- rollout side ------------------------------------------------------------------------
+
+    def generate_shard(self, step: int, gen_index: int) -> tuple[Optional[SampleBatch], int, float]:
+        """This rank's share of the next generation batch: (samples or None, malformed count, seconds)."""
+        start = time.perf_counter()
+        rows = self.prompts.next()
+        shards = max(1, self.layout.num_rollout)
+        mine = rows[self.layout.rollout_index::shards] if not self.single else rows
+        if not mine:
+            return None, 0, time.perf_counter() - start
+        batch, scored = self.worker.rollout(
+            [self.train_set.prompt_ids[r] for r in mine], [self.train_set.prompt_texts[r] for r in mine],
+            [self.train_set.answers[r] for r in mine], mine, group_size=self.cfg.rollout.sample_num,
+            version=self.weight_version,
+            generator=step_generator(self.cfg.run.seed, step, gen_index, self.layout.rollout_index))
+        self.plat.release_cache()
+        return batch, scored.num_malformed, time.perf_counter() - start
+
+    @torch.no_grad()
+    def validation_sums(self) -> list[float]:
+        """[reward sum, correct count, prompts] over this rank's share of the val set (greedy unless
+        val_temperature > 0)."""
+        val = self.val_set
+        limit = self.cfg.rollout.val_max_prompts or len(val.prompt_ids)
+        shards = 1 if self.single else self.layout.num_rollout
+        mine = list(range(limit))[self.layout.rollout_index::shards]
+        sums = [0.0, 0.0, 0.0]
+        batch_size = max(1, self.derived.sequences_per_step)
+        for start in range(0, len(mine), batch_size):
+            rows = mine[start:start + batch_size]
+            batch, _ = self.worker.rollout(
+                [val.prompt_ids[r] for r in rows], [val.prompt_texts[r] for r in rows], [val.answers[r] for r in rows],
+                rows, group_size=1, version=self.weight_version, greedy=self.cfg.rollout.val_temperature == 0,
+                generator=step_generator(self.cfg.run.seed, -1, self.weight_version, start))
+            sums = [sums[0] + batch.reward.sum().item(), sums[1] + batch.correct.sum().item(), sums[2] + len(rows)]
+        return sums
+
+    def receive_weights(self) -> None:
+        """Rollout rank: take the next weight version from the lead learner; validate it when due."""
+        with phase("weight sync"):
+            version = self.weights.receive_into(list(self.rollout_model.parameters()))
+        assert version == self.weight_version + 1, f"weights arrived out of order: v{version} after v{self.weight_version}"
+        self.weight_version = version
+        if self.val_due(version):
+            sums = self.validation_sums()
+            with phase("validation"):
+                all_reduce_sum(sums, self.groups.sync, self.plat.device)
+
+    def run_rollout(self) -> None:
+        """A rollout rank's whole run: generate, send, obey "more"/"next", take new weights."""
         cfg = self.cfg
-        target = cfg.rollout.prompts_per_step
+        if self.val_due(0):
+            sums = self.validation_sums()
+            with phase("validation"):
+                all_reduce_sum(sums, self.groups.sync, self.plat.device)
+        for step in range(1, cfg.run.max_steps + 1):
+            while self.weight_version < max(0, step - 1 - cfg.run.max_staleness):
+                self.receive_weights()
+            gen_index, flag = 0, MORE
+            while flag == MORE:
+                gen_index += 1
+                with phase("generation"):
+                    batch, malformed, seconds = self.generate_shard(step, gen_index)
+                with phase("sample transfer"):
+                    gather_samples(batch, [seconds, malformed], self.layout, self.groups, self.plat.device,
+                                   cfg.rollout.sample_num)
+                    flag = broadcast_flag(0, self.layout.lead_learner, self.groups.sync, self.plat.device)
+        while self.weight_version < cfg.run.max_steps:
+            self.receive_weights()
+
+    # ----- lead learner: collecting, weight hand-off, metrics ------------------------------------
+
+    def collect(self, step: int) -> tuple[SampleBatch, dict[str, Any]]:
+        """Gather generation batches until ``prompts_per_step`` informative groups are pooled
+        (REFERENCE.md §3); surplus groups stay in the pool for the next step."""
+        cfg = self.cfg
+        target, metric = cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling_metric
         carried = self.pool.num_groups
         generated: list[SampleBatch] = []
-        malformed = 0
-        gen_batches = 0
-        while self.pool.num_groups < target:
-            limit = cfg.rollout.max_gen_batches
-            if limit and gen_batches >= limit:
-                raise RuntimeError(
-                    f"step {self.step + 1}: only {self.pool.num_groups} of {target} groups were informative after "
+        malformed, gen_time, gen_batches = 0, 0.0, 0
+        while True:
+            gen_batches += 1
+            if self.single:
+                batch, bad, gen_seconds = self.generate_shard(step, gen_batches)
+                pieces = [batch] if batch is not None else []
+            else:
+                with phase("sample transfer"):
+                    pieces, table = gather_samples(None, [0.0, 0.0], self.layout, self.groups, self.plat.device,
+                                                   cfg.rollout.sample_num)
+                bad, gen_seconds = int(table[:, 1].sum()), float(table[:, 0].max())
+            malformed += bad
+            gen_time += gen_seconds
+            for batch in pieces:
+                generated.append(batch)
+                self.pool.add(batch.select_groups(keep_informative(batch, metric)) if cfg.rollout.dynamic_sampling
+                              else batch)
+            full = self.pool.num_groups >= target
+            if not full and cfg.rollout.max_gen_batches and gen_batches >= cfg.rollout.max_gen_batches:
+                raise UserError(
+                    f"step {step}: only {self.pool.num_groups} of {target} groups were informative after "
                     f"{gen_batches} generation batches (max_gen_batches): every response to the other prompts got "
                     f"the same reward, so the data is too easy or too hard for the current policy")
-            rows = self.prompts.next()
-            gen_batches += 1
-            batch, scored = self.worker.rollout(
-                [self.train_set.prompt_ids[r] for r in rows], [self.train_set.prompt_texts[r] for r in rows],
-                [self.train_set.answers[r] for r in rows], rows, group_size=cfg.rollout.sample_num,
-                version=self.weight_version, generator=step_generator(cfg.run.seed, self.step + 1, gen_batches))
-            malformed += scored.num_malformed
-            generated.append(batch)
-            if cfg.rollout.dynamic_sampling:
-                self.pool.add(batch.select_groups(keep_informative(batch, cfg.rollout.dynamic_sampling_metric)))
-            else:
-                self.pool.add(batch)
+            if not self.single:
+                with phase("sample transfer"):
+                    broadcast_flag(NEXT if full else MORE, self.layout.lead_learner, self.groups.sync, self.plat.device)
+            if full:
+                break
         everything = SampleBatch.concat(generated)
-        informative = sum(len(keep_informative(b, cfg.rollout.dynamic_sampling_metric)) for b in generated)
+        informative = sum(len(keep_informative(b, metric)) for b in generated)
         stats = {
             "num_gen_batches": gen_batches,
             "informative_frac": informative / everything.num_groups,
@@ -224,34 +337,55 @@ class Trainer:
             "reward_mean": everything.reward.mean().item(),
             "reward_std": everything.reward.std().item() if everything.reward.numel() > 1 else 0.0,
             "score_mean": everything.score.mean().item(),
-            "acc_mean": everything.correct.float().mean().item() if self.worker.reward.has_correct else None,
+            "acc_mean": everything.correct.float().mean().item() if not self.cfg.model.reward_model else None,
             "response_length_mean": everything.response_lengths.float().mean().item(),
             "response_length_max": int(everything.response_lengths.max()),
             "truncated_frac": everything.truncated.float().mean().item(),
-            "generated_tokens": int(everything.response_lengths.sum()),
+            "gen_time_s": gen_time,
+            "gen_tokens_per_s": int(everything.response_lengths.sum()) / max(gen_time, 1e-9),
         }
         return self.pool.take(target), stats
 
-    @torch.no_grad()
-    def validate(self) -> tuple[float, Optional[float]]:
-        """Reward and accuracy on the val set (greedy unless val_temperature > 0)."""
-        val = self.val_set
-        limit = self.cfg.rollout.val_max_prompts or len(val.prompt_ids)
-        greedy = self.cfg.rollout.val_temperature == 0
-        rewards, correct = [], []
-        batch_size = max(1, self.derived.sequences_per_step)
-        for start in range(0, limit, batch_size):
-            rows = list(range(start, min(limit, start + batch_size)))
-            batch, _ = self.worker.rollout(
-                [val.prompt_ids[r] for r in rows], [val.prompt_texts[r] for r in rows], [val.answers[r] for r in rows],
-                rows, group_size=1, version=self.weight_version, greedy=greedy,
-                generator=step_generator(self.cfg.run.seed, -1, self.step, start))
-            rewards.append(batch.reward)
-            correct.append(batch.correct)
-        acc = torch.cat(correct).float().mean().item() if self.worker.reward.has_correct else None
-        return torch.cat(rewards).mean().item(), acc
+    def send_weights(self, version: int) -> None:
+        """Lead learner: hand weights v_version to the rollout side, then finish that step's row."""
+        start = time.perf_counter()
+        if self.single:
+            with torch.no_grad():
+                for dst, src in zip(self.rollout_model.parameters(), self.full_weights):
+                    dst.copy_(src)
+            self.weight_version = version
+        else:
+            with phase("weight sync"):
+                self.weights.send(self.full_weights, version)
+        row = self.pending_rows.pop(version, {"step": version})
+        row["sync_time_s"] = time.perf_counter() - start
+        if self.val_due(version):
+            self.record_validation(row)
+        self.write_row(row)
 
-    # ----- learning --------------------------------------------------------------------------
+    def record_validation(self, row: dict[str, Any]) -> None:
+        if self.single:
+            reward_sum, correct, count = self.validation_sums()
+        else:
+            with phase("validation"):
+                reward_sum, correct, count = all_reduce_sum([0.0, 0.0, 0.0], self.groups.sync, self.plat.device)
+        val_reward, val_acc = reward_sum / count, (correct / count if not self.cfg.model.reward_model else None)
+        row.update(val_reward_mean=val_reward, val_acc=val_acc)
+        if self.train_rewards_since_val:
+            train_reward = sum(self.train_rewards_since_val) / len(self.train_rewards_since_val)
+            for message in self.alarms.observe_validation(val_reward=val_reward, train_reward=train_reward):
+                warn(f"ALARM step {row['step']}: {message}")
+        self.train_rewards_since_val = []
+
+    def write_row(self, row: dict[str, Any]) -> None:
+        if row["step"] > 0:
+            row.update(self.alarms.counts)
+        self.metrics.write(row)
+        step = row["step"]
+        if step == 0 or step % self.cfg.run.log_every == 0 or step == self.cfg.run.max_steps:
+            log(console_line(row))
+
+    # ----- learners ------------------------------------------------------------------------------
 
     def sequence_logprobs(self, model: torch.nn.Module, batch: SampleBatch, *,
                           with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -285,12 +419,12 @@ class Trainer:
         return pieces
 
     @torch.no_grad()
-    def logprobs_of(self, model: torch.nn.Module, batch: SampleBatch) -> torch.Tensor:
-        """[N, R] log-probs for the whole batch, computed micro-batch by micro-batch."""
+    def logprobs_of(self, model: torch.nn.Module, batch: SampleBatch, rows: torch.Tensor) -> torch.Tensor:
+        """[N, R] log-probs, filled in for ``rows`` only, computed micro-batch by micro-batch."""
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
-        for rows, part in self.micro_batches(batch, torch.arange(batch.response_ids.shape[0])):
+        for chunk, part in self.micro_batches(batch, rows):
             logp, _ = self.sequence_logprobs(model, part, with_entropy=False)
-            out[rows, : logp.shape[1]] = logp.float().cpu()
+            out[chunk, : logp.shape[1]] = logp.float().cpu()
         return out
 
     def compute_advantages(self, batch: SampleBatch) -> torch.Tensor:
@@ -299,28 +433,37 @@ class Trainer:
                                           norm_by_std=self.cfg.algo.norm_adv_by_std)
 
     def update_policy(self, batch: SampleBatch, advantages: torch.Tensor) -> dict[str, Any]:
-        """Train on the step's samples: mini-batches of optimizer steps, micro-batches of backward."""
+        """Train on the step's samples: mini-batches of optimizer steps, micro-batches of backward.
+
+        Each learner owns a fixed, equal share of the rows; mini-batch m is the m-th slice of every
+        learner's share, and its loss is normalised by the whole mini-batch's token (or sequence)
+        count across learners, so neither micro-batching nor the number of learners changes it.
+        """
         cfg, algo = self.cfg, self.cfg.algo
+        learners, me = self.layout.num_learners, self.layout.learner_index
         self.policy.train()
-        old_logp = self.logprobs_of(self.policy, batch)
-        ref_logp = self.logprobs_of(self.ref_model, batch) if self.ref_model is not None else None
         mask = batch.response_mask
-        gap = (old_logp - batch.rollout_logp).abs()[mask]
+        perm = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, self.step))
+        shares = [perm[i::learners] for i in range(learners)]
+        old_logp = self.logprobs_of(self.policy, batch, shares[me])
+        ref_logp = self.logprobs_of(self.ref_model, batch, shares[me]) if self.ref_model is not None else None
+        gap = (old_logp - batch.rollout_logp).abs()[shares[me]][mask[shares[me]]]
         is_weights = None
         if algo.tis_cap > 0:
             is_weights = torch.exp(old_logp - batch.rollout_logp).clamp(max=algo.tis_cap) * mask
         kl_coef = self.kl_coef_at(self.step)
         token_mean = algo.loss_agg_mode == "token-mean"
         sums: dict[str, float] = dict.fromkeys(("policy_loss", "kl", "entropy", "length_penalty", "pg_clipfrac",
-                                                "pg_clipfrac_lower", "ppo_kl", "grad_norm"), 0.0)
-        minibatches = 0
-        n = mask.shape[0]
+                                                "pg_clipfrac_lower", "ppo_kl"), 0.0)
+        grad_norms = []
+        size = self.derived.minibatch_sequences
         for epoch in range(cfg.optim.ppo_epochs):
-            order = torch.randperm(n, generator=step_generator(cfg.run.seed, self.step, epoch))
-            for rows in order.split(self.derived.minibatch_sequences):
-                # The step's loss is normalised by the whole mini-batch's token (or sequence) count,
-                # so it does not depend on how the mini-batch is cut into micro-batches.
-                normalizer = int(mask[rows].sum()) if token_mean else len(rows)
+            order = torch.randperm(len(shares[me]), generator=step_generator(cfg.run.seed, self.step, epoch))
+            minibatches = [share[order].split(size) for share in shares]
+            for parts in zip(*minibatches):
+                rows = parts[me]
+                global_tokens = sum(int(mask[p].sum()) for p in parts)
+                normalizer = global_tokens if token_mean else sum(len(p) for p in parts)
                 for chunk, part in self.micro_batches(batch, rows):
                     width = part.response_ids.shape[1]
                     part_mask = part.response_mask.to(self.plat.device)
@@ -333,7 +476,7 @@ class Trainer:
                         is_weights=on_device(is_weights) if is_weights is not None else None)
                     entropy_term = dapo_loss.aggregate(entropy, part_mask, algo.loss_agg_mode, normalizer)
                     loss = pg_loss - algo.entropy_coeff * entropy_term
-                    share = len(chunk) / len(rows)
+                    share = len(chunk) / (len(rows) * learners)
                     if ref_logp is not None:
                         kl = dapo_loss.aggregate(dapo_loss.kl_penalty(logp, on_device(ref_logp), algo.kl_type),
                                                  part_mask, algo.loss_agg_mode, normalizer)
@@ -343,27 +486,38 @@ class Trainer:
                         # Normalised by the mini-batch's tokens, so the micro-batch terms add up to
                         # the penalty of the whole mini-batch (rho relative to its mean length).
                         penalty = dapo_loss.length_penalty(logp, part_mask, coef=algo.length_penalty_coef,
-                                                           normalizer=int(mask[rows].sum()))
+                                                           normalizer=global_tokens)
                         loss = loss + penalty
                         sums["length_penalty"] += penalty.item()
-                    loss.backward()
+                    # FSDP averages gradients over learners, but each learner's loss is already its
+                    # share of the whole mini-batch's loss: scale so the average is the sum.
+                    (loss * learners).backward()
                     sums["policy_loss"] += pg_loss.item()
                     sums["entropy"] += entropy_term.item()
                     for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
                         sums[key] += pg_metrics[key].item() * share
-                sums["grad_norm"] += self.optimizer_step()
-                minibatches += 1
-        result = {k: v / minibatches for k, v in sums.items()}
+                grad_norms.append(self.optimizer_step())
+        keys = list(sums)
+        totals = [sums[k] for k in keys] + [float(gap.sum()), float(gap.numel())]
+        if learners > 1:
+            with phase("update"):
+                totals = all_reduce_sum(totals, self.groups.learners, self.plat.device)
+                gap_max = all_reduce_max(float(gap.max()) if gap.numel() else 0.0, self.groups.learners,
+                                         self.plat.device)
+        else:
+            gap_max = float(gap.max()) if gap.numel() else 0.0
+        count = len(grad_norms)
+        result = {k: v / count for k, v in zip(keys, totals)}
         if ref_logp is None:
             result["kl"] = None
-        result.update(kl_coef=kl_coef, lr=self.lr_at(self.optimizer_steps - 1),
-                      mismatch_mean=gap.mean().item() if gap.numel() else 0.0,
-                      mismatch_max=gap.max().item() if gap.numel() else 0.0)
+        result.update(grad_norm=sum(grad_norms) / count, kl_coef=kl_coef, lr=self.lr_at(self.optimizer_steps - 1),
+                      mismatch_mean=totals[-2] / max(totals[-1], 1.0), mismatch_max=gap_max)
         return result
 
     def optimizer_step(self) -> float:
         """Clip, check and apply the accumulated gradient; a non-finite one is skipped, never applied."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):
             self.skipped_steps += 1
             warn(f"step {self.step}: gradient norm is {grad_norm}; optimizer step skipped "
@@ -377,85 +531,113 @@ class Trainer:
         self.optimizer_steps += 1
         return grad_norm
 
-    # ----- the loop --------------------------------------------------------------------------
+    def gather_full_weights(self) -> None:
+        """Every learner joins the all-gather of each shard; the lead keeps the full tensors."""
+        from torch.distributed.tensor import DTensor
 
-    def train_step(self) -> dict[str, Any]:
-        start = time.perf_counter()
-        batch, row = self.collect_step_batch()
-        generated_tokens = row.pop("generated_tokens")
-        gen_time = time.perf_counter() - start
-        self.plat.release_cache()
+        with phase("weight sync"):
+            full = [p.full_tensor() if isinstance(p, DTensor) else p for p in self.policy.parameters()]
+        if self.layout.is_lead:
+            self.full_weights = [t.detach().to("cpu", copy=True) for t in full]
 
-        train_start = time.perf_counter()
-        self.step += 1
-        advantages = self.compute_advantages(batch)
-        row.update(self.update_policy(batch, advantages))
-        train_time = time.perf_counter() - train_start
-
-        sync_start = time.perf_counter()
-        self.sync_weights()
-        sync_time = time.perf_counter() - sync_start
-        step_time = time.perf_counter() - start
-        row.update(step=self.step, optimizer_steps=self.optimizer_steps, skipped_steps=self.skipped_steps,
-                   staleness=int(self.weight_version - 1 - batch.version.min()), weight_version=self.weight_version,
-                   gen_time_s=gen_time, train_time_s=train_time, sync_time_s=sync_time, step_time_s=step_time,
-                   overlap=(gen_time + train_time) / step_time, gen_tokens_per_s=generated_tokens / gen_time)
+    def learn(self, step: int, batch: Optional[SampleBatch]) -> dict[str, Any]:
+        """All learners: receive the step's batch, train on it, gather the new weights."""
+        if self.layout.num_learners > 1:
+            with phase("sample transfer"):
+                batch = broadcast_samples(batch, self.layout.lead_learner, self.groups.learners, self.plat.device,
+                                          self.cfg.rollout.sample_num)
+        self.step = step
+        with phase("update"):
+            advantages = self.compute_advantages(batch)
+            row = self.update_policy(batch, advantages)
+        row.update(optimizer_steps=self.optimizer_steps, skipped_steps=self.skipped_steps,
+                   staleness=int(step - 1 - batch.version.min()))
+        self.gather_full_weights()
         return row
 
-    def run_validation(self, row: dict[str, Any]) -> None:
-        val_reward, val_acc = self.validate()
-        row.update(val_reward_mean=val_reward, val_acc=val_acc)
-        if self.train_rewards_since_val:
-            train_reward = sum(self.train_rewards_since_val) / len(self.train_rewards_since_val)
-            for message in self.alarms.observe_validation(val_reward=val_reward, train_reward=train_reward):
-                warn(f"ALARM step {self.step}: {message}")
-        self.train_rewards_since_val = []
+    def run_learner(self) -> None:
+        """A learner's whole run; the lead also collects samples, hands off weights and writes metrics."""
+        cfg, lead, stale = self.cfg.run, self.layout.is_lead, self.cfg.run.max_staleness
+        if lead:
+            if self.val_due(0):
+                row: dict[str, Any] = {"step": 0}
+                self.record_validation(row)
+                self.write_row(row)
+        last_end = time.perf_counter()
+        for step in range(1, cfg.max_steps + 1):
+            batch, row = None, {}
+            if lead:
+                if stale == 0 and step > 1:
+                    self.send_weights(step - 1)
+                batch, row = self.collect(step)
+                if stale > 0 and step > 1:
+                    self.send_weights(step - 1)
+            train_start = time.perf_counter()
+            row.update(self.learn(step, batch))
+            train_time = time.perf_counter() - train_start
+            if not lead:
+                continue
+            messages = self.alarms.observe_step(kl=row.get("kl"), length=row["response_length_mean"],
+                                                reward_std=row["reward_std"])
+            for message in messages:
+                warn(f"ALARM step {step}: {message}")
+            self.train_rewards_since_val.append(row["reward_mean"])
+            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
+                row["save_time_s"] = self.save_checkpoint()
+            now = time.perf_counter()
+            row.update(step=step, weight_version=step, train_time_s=train_time, step_time_s=now - last_end,
+                       overlap=(row["gen_time_s"] + train_time) / (now - last_end))
+            last_end = now
+            self.pending_rows[step] = row
+        if lead:
+            self.send_weights(cfg.max_steps)
+
+    def export_model(self) -> torch.nn.Module:
+        """An unsharded model whose parameters are the lead's gathered full weights (no copy)."""
+        from transformers import AutoModelForCausalLM
+
+        if self.layout.num_learners == 1:
+            return self.policy
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.policy.config)
+        names = [name for name, _ in model.named_parameters()]
+        model.load_state_dict(dict(zip(names, self.full_weights)), strict=False, assign=True)
+        model.tie_weights()
+        # transformers writes files only on global rank 0; the lead learner is the last ranks' first.
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        return model
 
     def save_checkpoint(self) -> float:
+        """Lead learner: the new weights in Hugging Face format, tokenizer and trainer state."""
         start = time.perf_counter()
 
         def contents(folder: Path) -> None:
-            self.policy.save_pretrained(folder / "model", safe_serialization=True)
+            self.export_model().save_pretrained(folder / "model", safe_serialization=True)
             self.tokenizer.save_pretrained(folder / "model")
             ckpt.write_json(folder / "trainer_state.json", {
-                "step": self.step, "weight_version": self.weight_version, "optimizer_steps": self.optimizer_steps,
+                "step": self.step, "weight_version": self.step, "optimizer_steps": self.optimizer_steps,
                 "skipped_steps": self.skipped_steps, "kl_coef": self.kl_coef_at(self.step),
-                "data_epoch": self.prompts.epoch, "data_cursor": self.prompts.cursor,
             })
 
         ckpt.save_step(self.out_dir / "checkpoints", self.step, contents, keep_last=self.cfg.run.keep_last)
         return time.perf_counter() - start
 
     def train(self) -> None:
-        cfg = self.cfg.run
-        if self.val_set is not None:
-            row: dict[str, Any] = {"step": 0}
-            self.run_validation(row)
-            self.metrics.write(row)
-            log(console_line(row))
-        while self.step < cfg.max_steps:
-            row = self.train_step()
-            messages = self.alarms.observe_step(kl=row.get("kl"), length=row["response_length_mean"],
-                                                reward_std=row["reward_std"])
-            self.train_rewards_since_val.append(row["reward_mean"])
-            if self.val_set is not None and cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.max_steps):
-                self.run_validation(row)
-            if cfg.save_every and (self.step % cfg.save_every == 0 or self.step == cfg.max_steps):
-                row["save_time_s"] = self.save_checkpoint()
-            row.update(self.alarms.counts)
-            for message in messages:
-                warn(f"ALARM step {self.step}: {message}")
-            self.metrics.write(row)
-            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
-                log(console_line(row))
+        if self.layout.is_learner:
+            self.run_learner()
+        else:
+            self.run_rollout()
 
 
-def prepare_output_dir(cfg: Config) -> Path:
+def prepare_output_dir(cfg: Config, *, create: bool) -> Path:
+    """Refuse to overwrite checkpoints (every rank checks; only ``create`` changes anything)."""
     out = Path(cfg.run.output_dir)
     existing = ckpt.complete_steps(out / "checkpoints") + ckpt.incomplete_steps(out / "checkpoints")
     if existing and not cfg.run.overwrite_output_dir and not cfg.run.resume_from_checkpoint:
         raise UserError(f"output_dir {out} already holds checkpoints; pass --resume_from_checkpoint auto to continue "
                         f"or --overwrite_output_dir true to start over")
+    if not create:
+        return out
     if cfg.run.overwrite_output_dir:
         for stale in (out / "checkpoints", out / "metrics.csv"):
             if stale.is_dir():
@@ -467,32 +649,47 @@ def prepare_output_dir(cfg: Config) -> Path:
 
 
 def main(argv: list[str]) -> int:
+    groups = None
     try:
         cfg = load_config(argv)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size != 1:
-            raise UserError(f"this build trains in one process; WORLD_SIZE={world_size} (multi-rank roles are "
-                            f"not implemented yet)")
         derived = Derived.of(cfg, world_size)
+        layout = Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
+                        num_learners=derived.num_learner_ranks)
         if cfg.run.resume_from_checkpoint:
             raise UserError("resume_from_checkpoint is not implemented in this build yet")
-        if cfg.data.val_dataset is None and cfg.run.val_every:
+        if cfg.data.val_dataset is None and cfg.run.val_every and layout.is_lead:
             warn("no val_dataset: validation is off")
-        plat = select_platform(cfg.run.device)
+        plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
-        for message in warnings_for(cfg):
-            warn(message)
-        out = prepare_output_dir(cfg)
-        log(f"rank 0/{world_size} role=rollout+learner device={plat.device} backend={plat.backend}")
-        seed_everything(cfg.run.seed)
-        (out / "config.yaml").write_text(cfg.to_yaml())
-        write_env_report(out / "env_report.json", plat, world_size)
-        Trainer(cfg, plat, derived).train()
+        if layout.is_lead:
+            for message in warnings_for(cfg):
+                warn(message)
+        prepare_output_dir(cfg, create=layout.is_lead)
+        role = "rollout+learner" if world_size == 1 else layout.role + (" (lead)" if layout.is_lead else "")
+        log(f"rank {layout.rank}/{world_size} role={role} device={plat.device} backend={plat.backend}")
+        if world_size > 1:
+            plat.bind()
+            groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s)
+        seed_everything(cfg.run.seed + layout.rank)
+        if layout.is_lead:
+            out = Path(cfg.run.output_dir)
+            (out / "config.yaml").write_text(cfg.to_yaml())
+            write_env_report(out / "env_report.json", plat, world_size)
+        Trainer(cfg, plat, derived, layout, groups).train()
     except (ConfigError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except PhaseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if groups is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()  # an exit with live gloo groups can abort after success
     return 0
 
 

@@ -33,7 +33,7 @@ def test_one_full_step_trains_and_writes_everything(demo_argv, tmp_path):
     assert rows[0]["val_acc"] != "" and rows[1]["val_acc"] == "" and rows[2]["val_acc"] != ""
     for row in rows[1:]:
         assert math.isfinite(float(row["policy_loss"])) and float(row["grad_norm"]) > 0
-        assert int(row["optimizer_steps"]) == 3 * int(row["step"])  # 48 sequences / 16 per mini-batch
+        assert int(row["optimizer_steps"]) == trainer.derived.optimizer_steps_per_step * int(row["step"])
         assert 0 <= float(row["acc_mean"]) <= 1 and int(row["num_gen_batches"]) >= 1
     changed = [k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "no weight changed after two steps"
@@ -75,7 +75,7 @@ class DoubledAdvantages(train_dapo.Trainer):
 
 def test_compute_advantages_override_takes_effect(demo_argv):
     base = make_trainer(demo_argv + ["--max_steps", "1", "--save_every", "0", "--val_every", "0"])
-    batch, _ = base.collect_step_batch()
+    batch, _ = base.collect(1)
     default = base.compute_advantages(batch)
     doubled = make_trainer(demo_argv + ["--max_steps", "1", "--save_every", "0", "--val_every", "0"],
                            DoubledAdvantages)

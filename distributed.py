@@ -1,0 +1,251 @@
+"""Roles, process groups and the three things that cross them: samples, control flags, weights.
+
+Ranks 0 .. W-L-1 roll out, W-L .. W-1 learn (L = learner_ranks); the first learner leads. Three
+groups: ``learners`` (sharded training), ``sync`` (lead learner + rollout ranks: samples go
+up, flags and weights come down) and the world. Everything crosses as tensors, never pickled
+objects. Every collective runs under ``dist_timeout_s`` inside :func:`phase`, so a dead peer
+becomes an error naming what the run was doing instead of a silent hang.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rollout import SampleBatch
+
+NEXT, MORE = 0, 1  # the lead learner's answer after each generation batch
+
+
+class PhaseError(RuntimeError):
+    """A collective failed or timed out; the message names the phase and the rank."""
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    try:
+        yield
+    except PhaseError:
+        raise
+    except Exception as error:  # gloo/NCCL/HCCL raise several types for a lost peer or a timeout
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        detail = " ".join(str(error).split())[:300]
+        raise PhaseError(f"rank {rank}: {name} failed (a peer died or timed out): {detail}") from error
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    rank: int
+    num_learners: int
+
+    @property
+    def num_rollout(self) -> int:
+        return self.world_size - self.num_learners
+
+    @property
+    def lead_learner(self) -> int:
+        return self.num_rollout
+
+    @property
+    def is_learner(self) -> bool:
+        return self.rank >= self.num_rollout
+
+    @property
+    def is_lead(self) -> bool:
+        return self.rank == self.lead_learner
+
+    @property
+    def role(self) -> str:
+        return "learner" if self.is_learner else "rollout"
+
+    @property
+    def rollout_index(self) -> int:
+        return self.rank
+
+    @property
+    def learner_index(self) -> int:
+        return self.rank - self.num_rollout
+
+
+@dataclass(frozen=True)
+class Groups:
+    learners: Optional[dist.ProcessGroup]  # None on rollout ranks
+    sync: Optional[dist.ProcessGroup]  # None on learners other than the lead
+
+
+def init_groups(layout: Layout, backend: str, timeout_s: float) -> Groups:
+    """Create the subgroups; every rank must call this, in the same order (new_group is collective)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    learner_ranks = list(range(layout.num_rollout, layout.world_size))
+    sync_ranks = list(range(layout.num_rollout)) + [layout.lead_learner]
+    learners = dist.new_group(learner_ranks, backend=backend, timeout=timeout)
+    sync = dist.new_group(sync_ranks, backend=backend, timeout=timeout)
+    return Groups(learners=learners if layout.is_learner else None,
+                  sync=sync if (not layout.is_learner or layout.is_lead) else None)
+
+
+# ----- samples: rollout ranks -> lead learner -> all learners ----------------------------------
+
+_LONG_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+_ROW_LONG_FIELDS = ("correct", "truncated", "prompt_index", "version")
+_ROW_FLOAT_FIELDS = ("reward", "score")
+
+
+def pack(batch: SampleBatch, width_p: int, width_r: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two matrices (int64, float32), rows padded to ``rows`` with zeros, widths to the given ones."""
+    wide = batch.widen(width_p, width_r)
+    longs = torch.zeros(rows, 2 * width_p + 2 * width_r + len(_ROW_LONG_FIELDS), dtype=torch.long)
+    floats = torch.zeros(rows, width_r + len(_ROW_FLOAT_FIELDS), dtype=torch.float32)
+    n = wide.prompt_ids.shape[0]
+    longs[:n] = torch.cat([getattr(wide, f).long() for f in _LONG_FIELDS]
+                          + [getattr(wide, f).long()[:, None] for f in _ROW_LONG_FIELDS], dim=1)
+    floats[:n] = torch.cat([wide.rollout_logp] + [getattr(wide, f)[:, None] for f in _ROW_FLOAT_FIELDS], dim=1)
+    return longs, floats
+
+
+def unpack(longs: torch.Tensor, floats: torch.Tensor, rows: int, width_p: int, width_r: int,
+           group_size: int) -> SampleBatch:
+    longs, floats = longs[:rows].cpu(), floats[:rows].cpu()
+    cuts = [width_p, width_p, width_r, width_r] + [1] * len(_ROW_LONG_FIELDS)
+    parts = dict(zip(_LONG_FIELDS + _ROW_LONG_FIELDS, longs.split(cuts, dim=1)))
+    logp, *row_floats = floats.split([width_r] + [1] * len(_ROW_FLOAT_FIELDS), dim=1)
+    flags = ("prompt_mask", "response_mask", "correct", "truncated")
+    fields = {k: (v.bool() if k in flags else v) for k, v in parts.items()}
+    fields.update({k: v[:, 0] for k, v in fields.items() if k in _ROW_LONG_FIELDS})
+    fields.update({k: v[:, 0] for k, v in zip(_ROW_FLOAT_FIELDS, row_floats)})
+    return SampleBatch(rollout_logp=logp, group_size=group_size, **fields)
+
+
+def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float], layout: Layout, groups: Groups,
+                   device: torch.device, group_size: int) -> Optional[tuple[list[SampleBatch], torch.Tensor]]:
+    """Rollout ranks send their batch (or None) plus a few numbers; the lead receives, in rank order,
+    every non-empty batch and a [num_rollout, len(header_values)] table of the numbers."""
+    dst = layout.lead_learner
+    rows = 0 if batch is None else batch.prompt_ids.shape[0]
+    width_p = 0 if batch is None else batch.prompt_ids.shape[1]
+    width_r = 0 if batch is None else batch.response_ids.shape[1]
+    header = torch.tensor([rows, width_p, width_r, *header_values], dtype=torch.float64, device=device)
+    headers = [torch.zeros_like(header) for _ in range(layout.num_rollout + 1)]
+    dist.all_gather(headers, header, group=groups.sync)
+    table = torch.stack(headers[:-1]).cpu()  # the lead's own header (last in the group) is padding
+    max_rows, max_p, max_r = (int(table[:, i].max()) for i in range(3))
+    if batch is None:
+        batch = _empty_batch(group_size)
+    longs, floats = (t.to(device) for t in pack(batch, max_p, max_r, max_rows))
+    long_list = [torch.zeros_like(longs) for _ in headers] if layout.is_lead else None
+    float_list = [torch.zeros_like(floats) for _ in headers] if layout.is_lead else None
+    dist.gather(longs, long_list, dst=dst, group=groups.sync)
+    dist.gather(floats, float_list, dst=dst, group=groups.sync)
+    if not layout.is_lead:
+        return None
+    batches = [unpack(long_list[r], float_list[r], int(table[r, 0]), max_p, max_r, group_size)
+               for r in range(layout.num_rollout) if int(table[r, 0])]
+    return batches, table[:, 3:]
+
+
+def _empty_batch(group_size: int) -> SampleBatch:
+    empty = torch.zeros(0, 0)
+    return SampleBatch(prompt_ids=empty.long(), prompt_mask=empty.bool(), response_ids=empty.long(),
+                       response_mask=empty.bool(), rollout_logp=empty, reward=torch.zeros(0), score=torch.zeros(0),
+                       correct=torch.zeros(0, dtype=torch.bool), truncated=torch.zeros(0, dtype=torch.bool),
+                       prompt_index=torch.zeros(0, dtype=torch.long), version=torch.zeros(0, dtype=torch.long),
+                       group_size=group_size)
+
+
+def broadcast_flag(value: int, src: int, group: dist.ProcessGroup, device: torch.device) -> int:
+    flag = torch.tensor([value], dtype=torch.long, device=device)
+    dist.broadcast(flag, src=src, group=group)
+    return int(flag.item())
+
+
+def broadcast_samples(batch: Optional[SampleBatch], src: int, group: dist.ProcessGroup, device: torch.device,
+                      group_size: int) -> SampleBatch:
+    """The lead learner's step batch to every learner."""
+    shape = torch.tensor([0, 0, 0] if batch is None else
+                         [batch.prompt_ids.shape[0], batch.prompt_ids.shape[1], batch.response_ids.shape[1]],
+                         dtype=torch.long, device=device)
+    dist.broadcast(shape, src=src, group=group)
+    rows, width_p, width_r = shape.tolist()
+    if batch is None:
+        longs = torch.zeros(rows, 2 * width_p + 2 * width_r + len(_ROW_LONG_FIELDS), dtype=torch.long, device=device)
+        floats = torch.zeros(rows, width_r + len(_ROW_FLOAT_FIELDS), device=device)
+    else:
+        longs, floats = (t.to(device) for t in pack(batch, width_p, width_r, rows))
+    dist.broadcast(longs, src=src, group=group)
+    dist.broadcast(floats, src=src, group=group)
+    return unpack(longs, floats, rows, width_p, width_r, group_size)
+
+
+def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, group=group)
+    return tensor.cpu().tolist()
+
+
+# ----- weights: lead learner -> rollout ranks, in buckets ---------------------------------------
+
+def _buckets(shapes: Sequence[torch.Size], dtype: torch.dtype, bucket_mb: int) -> list[list[int]]:
+    """Parameter indices grouped so each bucket's flat buffer stays under bucket_mb (one large
+    parameter may fill a bucket alone). Both ends compute the same plan from the same shapes."""
+    limit = max(1, bucket_mb * 2**20 // torch.empty((), dtype=dtype).element_size())
+    plan, current, used = [], [], 0
+    for index, shape in enumerate(shapes):
+        numel = shape.numel()
+        if current and used + numel > limit:
+            plan.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += numel
+    if current:
+        plan.append(current)
+    return plan
+
+
+class WeightBroadcast:
+    """Send (lead learner) or receive (rollout ranks) a full set of parameters with its version.
+
+    Parameters travel under their in-memory names and shapes, which are the same at both ends
+    (one model class) even for fused MoE experts whose on-disk names differ (PLATFORM.md). The
+    receive buffers are allocated once and reused: a fresh buffer is much slower on first touch.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, bucket_mb: int, src: int,
+                 group: dist.ProcessGroup, device: torch.device) -> None:
+        self.shapes, self.dtype, self.src, self.group, self.device = list(shapes), dtype, src, group, device
+        self.plan = _buckets(self.shapes, dtype, bucket_mb)
+        self.buffers = [torch.empty(sum(self.shapes[i].numel() for i in bucket), dtype=dtype, device=device)
+                        for bucket in self.plan]
+
+    def send(self, tensors: Sequence[torch.Tensor], version: int) -> None:
+        broadcast_flag(version, self.src, self.group, self.device)
+        for bucket, buffer in zip(self.plan, self.buffers):
+            torch.cat([tensors[i].detach().reshape(-1).to(self.dtype) for i in bucket], out=buffer)
+            dist.broadcast(buffer, src=self.src, group=self.group)
+
+    def receive_into(self, params: Sequence[torch.Tensor]) -> int:
+        version = broadcast_flag(-1, self.src, self.group, self.device)
+        with torch.no_grad():
+            for bucket, buffer in zip(self.plan, self.buffers):
+                dist.broadcast(buffer, src=self.src, group=self.group)
+                for i, chunk in zip(bucket, buffer.split([self.shapes[i].numel() for i in bucket])):
+                    params[i].copy_(chunk.view(self.shapes[i]))
+        return version
+
+
+def all_reduce_max(value: float, group: dist.ProcessGroup, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return float(tensor.item())
+
+
+def init_world(layout: Layout, backend: str, timeout_s: float) -> Groups:
+    """Join the torchrun job (env:// rendezvous), every collective bounded by timeout_s, and
+    create the subgroups."""
+    with phase("process group start-up"):
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return init_groups(layout, backend, timeout_s)

@@ -7,7 +7,7 @@ usage() {
   cat >&2 <<'TXT'
 usage: ./launch.sh COMMAND [ARGS...]
   setup                   create .venv (unless a virtualenv is active) and install the project; keeps an installed torch
-  demo [--KEY VALUE ...]  build the offline demo assets if absent and train on them (CPU, one process)
+  demo [--KEY VALUE ...]  build the offline demo assets if absent and train on them (CPU, 8 ranks)
   test [PYTEST ARGS...]   run the test suite
   smoke                   environment checks: a matmul on the device, a 2-process all_reduce
   train CONFIG [--KEY VALUE ...]
@@ -72,7 +72,9 @@ case "$cmd" in
     if [[ ! -f runs/demo_assets/demo_info.json ]]; then
       "$py" data_prep.py demo --out runs/demo_assets
     fi
-    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$py" train_dapo.py --config configs/demo_cpu.yaml "$@"
+    # The shape users run: 8 processes, 6 rollout + 2 learner ranks, one thread each.
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" NPROC_PER_NODE="${NPROC_PER_NODE:-8}" NNODES=1 \
+      torchrun_cmd train_dapo.py --config configs/demo_cpu.yaml "$@"
     ;;
   test)
     setup

@@ -1,0 +1,137 @@
+"""The multi-rank layout through real torchrun processes on CPU/gloo, plus its pure pieces."""
+import csv
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import Layout, _buckets, pack, unpack
+from metrics import TIMING_COLUMNS
+from tests.test_rollout import fake_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_args(demo_assets: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return ["train_dapo.py", "--config", "configs/demo_cpu.yaml", "--model_path", str(demo_assets / "model"),
+            "--dataset", str(demo_assets / "train.jsonl"), "--val_dataset", str(demo_assets / "val.jsonl"),
+            "--output_dir", str(out), "--max_steps", str(steps), "--val_every", "2", "--val_max_prompts", "24",
+            "--save_every", str(steps), "--log_every", "1", "--dist_timeout_s", "60", *extra]
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 240, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def metrics_rows(out: Path) -> list[dict[str, str]]:
+    with (out / "metrics.csv").open() as f:
+        return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS} for row in csv.DictReader(f)]
+
+
+def test_layout_splits_ranks_by_index():
+    roles = [Layout(8, r, 2).role for r in range(8)]
+    assert roles == ["rollout"] * 6 + ["learner"] * 2
+    assert Layout(8, 6, 2).is_lead and not Layout(8, 7, 2).is_lead
+    assert [Layout(2, r, 1).role for r in range(2)] == ["rollout", "learner"]
+
+
+def test_pack_round_trip_keeps_every_field():
+    batch = fake_batch([1, 0, 0, 1], group_size=2, prompt_width=3, response_width=2)
+    longs, floats = pack(batch, width_p=5, width_r=4, rows=6)
+    back = unpack(longs, floats, rows=4, width_p=5, width_r=4, group_size=2)
+    expected = batch.widen(5, 4)
+    for name, tensor in expected.tensors().items():
+        assert torch.equal(getattr(back, name), tensor), name
+
+
+def test_weight_buckets_respect_the_limit_and_cover_every_parameter():
+    shapes = [torch.Size([1024, 256])] * 3 + [torch.Size([10])] + [torch.Size([4096, 512])]
+    plan = _buckets(shapes, torch.float32, bucket_mb=2)
+    assert sorted(i for bucket in plan for i in bucket) == list(range(5))
+    for bucket in plan:
+        size = sum(shapes[i].numel() * 4 for i in bucket)
+        assert size <= 2 * 2**20 or len(bucket) == 1  # an oversized parameter travels alone
+
+
+def test_eight_ranks_are_deterministic_and_save_identical_weights(demo_assets, tmp_path):
+    outputs = []
+    for name in ("a", "b"):
+        proc = torchrun(8, run_args(demo_assets, tmp_path / name, 3))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append(proc.stdout)
+    first_lines = [line for line in outputs[0].splitlines() if line.startswith("rank ")]
+    assert sum("role=rollout" in line for line in first_lines) == 6
+    assert sum("role=learner" in line for line in first_lines) == 2
+    rows_a, rows_b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
+    assert [r["step"] for r in rows_a] == ["0", "1", "2", "3"] and rows_a == rows_b
+    assert rows_a[2]["staleness"] == "1"  # step 2 trained on samples from v0: rollout ran one step ahead
+    weights = [(tmp_path / n / "checkpoints" / "step_00000003" / "model" / "model.safetensors").read_bytes()
+               for n in ("a", "b")]
+    assert weights[0] == weights[1]
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "checkpoints" / "step_00000003" / "model")
+    base = AutoModelForCausalLM.from_pretrained(demo_assets / "model")
+    assert any(not torch.equal(p, q) for p, q in zip(trained.parameters(), base.parameters()))
+
+
+def test_synchronous_mode_has_no_staleness(demo_assets, tmp_path):
+    proc = torchrun(3, run_args(demo_assets, tmp_path / "sync", 2, "--max_staleness", "0",
+                                "--learner_ranks", "1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["staleness"] for r in metrics_rows(tmp_path / "sync")[1:]] == ["0", "0"]
+
+
+def test_a_killed_rank_ends_the_job_naming_the_phase(demo_assets, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           *run_args(demo_assets, tmp_path / "kill", 500, "--dist_timeout_s", "30")]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        metrics = tmp_path / "kill" / "metrics.csv"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.5)
+        assert metrics.exists(), "the job never wrote a metrics row"
+        children = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 4
+        killed_at = time.time()
+        os.kill(int(children[0]), signal.SIGKILL)  # a rollout rank
+        _, err = job.communicate(timeout=30 + 60)
+        assert job.returncode != 0
+        assert time.time() - killed_at < 30 + 30
+        assert any(f"{phase} failed" in err for phase in ("generation", "sample transfer", "weight sync", "update",
+                                                           "validation")), err[-2000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+def test_two_nodes_on_one_machine_run_as_one_job(demo_assets, tmp_path):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNODES": "2", "NPROC_PER_NODE": "4",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    args = run_args(demo_assets, tmp_path / "nodes", 2)[2:]  # launch.sh train takes the config itself
+    nodes = [subprocess.Popen(["./launch.sh", "train", "configs/demo_cpu.yaml", *args], cwd=ROOT,
+                              env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for rank in (0, 1)]
+    results = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    logs = results[0][0] + results[1][0]
+    assert logs.count("role=rollout") == 6 and logs.count("role=learner") == 2
+    assert [r["step"] for r in metrics_rows(tmp_path / "nodes")] == ["0", "1", "2"]

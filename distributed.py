@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -25,8 +29,13 @@ class PhaseError(RuntimeError):
     """A collective failed or timed out; the message names the phase and the rank."""
 
 
+_current_phase = "start-up"
+
+
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
+    global _current_phase
+    outer, _current_phase = _current_phase, name
     try:
         yield
     except PhaseError:
@@ -35,6 +44,29 @@ def phase(name: str) -> Iterator[None]:
         rank = dist.get_rank() if dist.is_initialized() else 0
         detail = " ".join(str(error).split())[:300]
         raise PhaseError(f"rank {rank}: {name} failed (a peer died or timed out): {detail}") from error
+    finally:
+        _current_phase = outer
+
+
+def report_phase_on_sigterm(rank: int) -> None:
+    """When torchrun stops this rank because another one died, say which phase it was in.
+
+    A rank blocked inside a collective never returns to Python to run a signal handler, so the
+    C-level handler writes to a wake-up pipe and a watcher thread reports and exits.
+    """
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watcher thread does the work
+
+    def watch() -> None:
+        while signal.SIGTERM not in os.read(read_end, 16):  # other signals wake it too
+            pass
+        print(f"error: rank {rank}: {_current_phase} failed (the launcher stopped this rank after another "
+              f"rank died)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sigterm-report", daemon=True).start()
 
 
 @dataclass(frozen=True)

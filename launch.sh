@@ -51,7 +51,9 @@ torchrun_cmd() {
     export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}" HCCL_TIMEOUT="${HCCL_TIMEOUT:-3000}"
   fi
   local nnodes="${NNODES:-1}"
-  local args=(--nproc_per_node="${NPROC_PER_NODE:-8}" --nnodes="$nnodes")
+  # A 5 s monitor interval gives the surviving ranks time to report which phase broke before
+  # torchrun tears the job down.
+  local args=(--nproc_per_node="${NPROC_PER_NODE:-8}" --nnodes="$nnodes" --monitor_interval=5)
   if [[ "$nnodes" -gt 1 ]]; then
     args+=(--node_rank="${NODE_RANK:?NODE_RANK must be set for multi-node}"
            --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:?MASTER_ADDR must be set}:${MASTER_PORT:-29500}")

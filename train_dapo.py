@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 import ckpt
 import dapo_loss
@@ -28,7 +29,7 @@ from config import Config, ConfigError, Derived, load_config, warnings_for
 from device import DTYPES, Platform, seed_everything, select_platform, write_env_report
 from metrics import AlarmMonitor, MetricsWriter, console_line
 from distributed import (MORE, NEXT, Groups, Layout, PhaseError, WeightBroadcast, all_reduce_max, all_reduce_sum,
-                         broadcast_flag, broadcast_samples, gather_samples, init_world, phase)
+                         broadcast_flag, broadcast_samples, gather_samples, init_world, phase, report_phase_on_sigterm)
 from rollout import GroupPool, RolloutWorker, SampleBatch, keep_informative, make_reward_source
 
 
@@ -37,11 +38,15 @@ class UserError(Exception):
 
 
 def log(message: str) -> None:
-    print(message, flush=True)
+    # One write per line: print() writes the text and the newline separately, and the lines of
+    # eight ranks sharing one pipe would interleave.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
 
 
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
 
 
 def step_generator(seed: int, *keys: int) -> torch.Generator:
@@ -671,6 +676,7 @@ def main(argv: list[str]) -> int:
         role = "rollout+learner" if world_size == 1 else layout.role + (" (lead)" if layout.is_lead else "")
         log(f"rank {layout.rank}/{world_size} role={role} device={plat.device} backend={plat.backend}")
         if world_size > 1:
+            report_phase_on_sigterm(layout.rank)
             plat.bind()
             groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s)
         seed_everything(cfg.run.seed + layout.rank)
@@ -679,16 +685,17 @@ def main(argv: list[str]) -> int:
             (out / "config.yaml").write_text(cfg.to_yaml())
             write_env_report(out / "env_report.json", plat, world_size)
         Trainer(cfg, plat, derived, layout, groups).train()
+        if groups is not None:
+            with phase("shutdown"):
+                dist.barrier()  # ranks that finish early must not tear down gloo pairs others still use
     except (ConfigError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")
         return 2
     except PhaseError as e:
-        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: {e}\n")
         return 1
     finally:
         if groups is not None:
-            import torch.distributed as dist
-
             dist.destroy_process_group()  # an exit with live gloo groups can abort after success
     return 0
 

@@ -73,9 +73,7 @@ def test_eight_ranks_are_deterministic_and_save_identical_weights(demo_assets, t
         proc = torchrun(8, run_args(demo_assets, tmp_path / name, 3))
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs.append(proc.stdout)
-    first_lines = [line for line in outputs[0].splitlines() if line.startswith("rank ")]
-    assert sum("role=rollout" in line for line in first_lines) == 6
-    assert sum("role=learner" in line for line in first_lines) == 2
+    assert outputs[0].count("role=rollout") == 6 and outputs[0].count("role=learner") == 2
     rows_a, rows_b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
     assert [r["step"] for r in rows_a] == ["0", "1", "2", "3"] and rows_a == rows_b
     assert rows_a[2]["staleness"] == "1"  # step 2 trained on samples from v0: rollout ran one step ahead
@@ -98,7 +96,7 @@ def test_synchronous_mode_has_no_staleness(demo_assets, tmp_path):
 
 def test_a_killed_rank_ends_the_job_naming_the_phase(demo_assets, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "--monitor_interval=5",
            *run_args(demo_assets, tmp_path / "kill", 500, "--dist_timeout_s", "30")]
     job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
@@ -116,7 +114,8 @@ def test_a_killed_rank_ends_the_job_naming_the_phase(demo_assets, tmp_path):
         assert job.returncode != 0
         assert time.time() - killed_at < 30 + 30
         assert any(f"{phase} failed" in err for phase in ("generation", "sample transfer", "weight sync", "update",
-                                                           "validation")), err[-2000:]
+                                                           "validation")), \
+            [line for line in err.splitlines() if "rror" in line or "Signal" in line][:20]
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -126,12 +125,13 @@ def test_two_nodes_on_one_machine_run_as_one_job(demo_assets, tmp_path):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NNODES": "2", "NPROC_PER_NODE": "4",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    args = run_args(demo_assets, tmp_path / "nodes", 2)[2:]  # launch.sh train takes the config itself
+    args = run_args(demo_assets, tmp_path / "nodes", 2)[3:]  # launch.sh train takes the config itself
     nodes = [subprocess.Popen(["./launch.sh", "train", "configs/demo_cpu.yaml", *args], cwd=ROOT,
                               env={**env, "NODE_RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for rank in (0, 1)]
     results = [node.communicate(timeout=240) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    errors = [line for _, err in results for line in err.splitlines() if line.startswith("error:")]
+    assert [node.returncode for node in nodes] == [0, 0], errors or results[0][1][-2000:]
     logs = results[0][0] + results[1][0]
     assert logs.count("role=rollout") == 6 and logs.count("role=learner") == 2
     assert [r["step"] for r in metrics_rows(tmp_path / "nodes")] == ["0", "1", "2"]

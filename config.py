@@ -360,12 +360,8 @@ class Derived:
 
     @staticmethod
     def of(cfg: Config, world_size: int) -> "Derived":
-        learners = min(cfg.run.learner_ranks, world_size) if world_size > 1 else 1
-        if world_size > 1 and world_size <= cfg.run.learner_ranks:
-            raise ConfigError(
-                f"learner_ranks={cfg.run.learner_ranks} leaves no rollout rank in a world of {world_size}; "
-                f"use learner_ranks < {world_size}"
-            )
+        # At least one rank must roll out: 2 ranks with learner_ranks 2 run as 1 + 1.
+        learners = min(cfg.run.learner_ranks, world_size - 1) if world_size > 1 else 1
         sequences = cfg.rollout.prompts_per_step * cfg.rollout.sample_num
         per_rank_mb = cfg.optim.per_device_batch_size * cfg.optim.gradient_accumulation_steps
         if sequences % (per_rank_mb * learners):

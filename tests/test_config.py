@@ -93,8 +93,8 @@ def test_derived_values_and_their_explanations():
     assert (eight.num_rollout_ranks, eight.num_learner_ranks, eight.optimizer_steps_per_step) == (6, 2, 2)
     with pytest.raises(ConfigError, match="must split evenly"):
         Derived.of(load_config(["--prompts_per_step", "5", "--sample_num", "3"]), world_size=1)
-    with pytest.raises(ConfigError, match="leaves no rollout rank"):
-        Derived.of(load_config(["--learner_ranks", "2"]), world_size=2)
+    two = Derived.of(load_config(["--learner_ranks", "2", "--prompts_per_step", "4"]), world_size=2)
+    assert (two.num_rollout_ranks, two.num_learner_ranks) == (1, 1)  # always one rank left to roll out
 
 
 @pytest.mark.parametrize("argv, key", [(["--kl_coeff", "0.1"], "kl_coef"), (["--learning_rate", "abc"], "learning_rate")])

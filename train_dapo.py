@@ -28,7 +28,7 @@ import dapo_loss
 from config import Config, ConfigError, Derived, load_config, warnings_for
 from device import DTYPES, Platform, seed_everything, select_platform, write_env_report
 from metrics import AlarmMonitor, MetricsWriter, console_line
-from distributed import (MORE, NEXT, Groups, Layout, PhaseError, WeightBroadcast, all_reduce_max, all_reduce_sum,
+from ranks import (MORE, NEXT, Groups, Layout, PhaseError, WeightBroadcast, all_reduce_max, all_reduce_sum,
                          broadcast_flag, broadcast_samples, gather_samples, init_world, phase, report_phase_on_sigterm)
 from rollout import GroupPool, RolloutWorker, SampleBatch, keep_informative, make_reward_source
 

@@ -71,7 +71,7 @@ def test_only_the_device_module_names_accelerators():
 
 def test_importing_library_modules_writes_nothing_and_starts_no_group(tmp_path):
     code = ("import os, sys; sys.path.insert(0, sys.argv[1]); before = set(os.listdir('.'));"
-            "import dapo_loss, rollout, data_prep, ckpt, config, device, rewards, metrics;"
+            "import dapo_loss, rollout, data_prep, ckpt, config, device, rewards, metrics, ranks;"
             "import torch.distributed as dist;"
             "assert not dist.is_initialized(); assert set(os.listdir('.')) == before, 'import wrote files'")
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=tmp_path, capture_output=True, text=True,

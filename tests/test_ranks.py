@@ -8,10 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
-from distributed import Layout, _buckets, pack, unpack
+from ranks import Layout, _buckets, pack, unpack
 from metrics import TIMING_COLUMNS
 from tests.test_rollout import fake_batch
 

@@ -598,17 +598,18 @@ class Trainer:
             self.send_weights(cfg.max_steps)
 
     def export_model(self) -> torch.nn.Module:
-        """An unsharded model whose parameters are the lead's gathered full weights (no copy)."""
+        """An unsharded model holding the lead's new weights, ready for save_pretrained."""
         from transformers import AutoModelForCausalLM
 
         if self.layout.num_learners == 1:
-            return self.policy
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.policy.config)
-        names = [name for name, _ in model.named_parameters()]
-        model.load_state_dict(dict(zip(names, self.full_weights)), strict=False, assign=True)
-        model.tie_weights()
-        # transformers writes files only on global rank 0; the lead learner is the last ranks' first.
+            model = self.policy
+        else:  # FSDP shards: wrap the gathered full tensors in a plain model, without copying them
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.policy.config)
+            names = [name for name, _ in model.named_parameters()]
+            model.load_state_dict(dict(zip(names, self.full_weights)), strict=False, assign=True)
+            model.tie_weights()
+        # transformers writes files only on global rank 0; the lead learner is a later rank.
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
         return model
 

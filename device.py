@@ -6,6 +6,7 @@ without CANN a stray torch_npu breaks even ``import torch`` (PLATFORM.md).
 """
 from __future__ import annotations
 
+import base64
 import importlib
 import json
 import os
@@ -61,21 +62,34 @@ class Platform:
             self.module.empty_cache()
 
     def rng_state(self) -> dict[str, Any]:
+        """Every generator this process draws from, as JSON-safe values (checkpoints hold no pickles)."""
+        version, internal, gauss = random.getstate()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
         state: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
+            "python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+            "torch": _bytes_to_text(torch.get_rng_state()),
         }
         if self.module is not None:
-            state["device"] = self.module.get_rng_state()
+            state["device"] = _bytes_to_text(self.module.get_rng_state())
         return state
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(_text_to_bytes(state["torch"]))
         if self.module is not None and "device" in state:
-            self.module.set_rng_state(state["device"])
+            self.module.set_rng_state(_text_to_bytes(state["device"]))
+
+
+def _bytes_to_text(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _text_to_bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:

@@ -38,9 +38,9 @@ def _format(value: Any) -> str:
 class MetricsWriter:
     """Appends one row per training step to OUTPUT_DIR/metrics.csv (header written once)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, append: bool = False) -> None:
         self.path = path
-        if not path.exists() or path.stat().st_size == 0:
+        if not append or not path.exists() or path.stat().st_size == 0:
             with path.open("w", newline="") as f:
                 csv.writer(f).writerow(COLUMNS)
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -269,15 +272,68 @@ class WeightBroadcast:
         return version
 
 
+def gather_json(value: Any, dst: int, group: dist.ProcessGroup, device: torch.device) -> Optional[list[Any]]:
+    """Every rank's JSON-safe ``value``, in group order, on global rank ``dst`` (None elsewhere).
+    JSON bytes in a tensor, so nothing is unpickled on the receiving side."""
+    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
+    size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    padded = torch.zeros(int(max(sizes)), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    received = [torch.zeros_like(padded) for _ in sizes] if dist.get_rank() == dst else None
+    dist.gather(padded, received, dst=dst, group=group)
+    if received is None:
+        return None
+    return [json.loads(bytes(t[: int(n)].cpu().tolist())) for t, n in zip(received, sizes)]
+
+
 def all_reduce_max(value: float, group: dist.ProcessGroup, device: torch.device) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return float(tensor.item())
 
 
+_ATTEMPT_PORT_KEY = "ranks.attempt_store_port"
+
+
+def _attempt_store(rank: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """A store that lives and dies with this attempt's rank 0, or None where env:// already gives one.
+
+    Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) env:// makes every rank a client of the
+    agent's store, which outlives worker-group restarts: a restarted group finds the dead group's
+    keys there and gloo dials dead addresses ("connectFullMesh failed ... Connection refused") or
+    waits forever (pytorch/pytorch#135712). A key prefix from TORCHELASTIC_RESTART_COUNT is no
+    cure with several nodes: an agent whose own workers were healthy restarts them without
+    counting (#108158). So rank 0 hosts a fresh store and posts its port in the agent's store; a
+    port posted by a dead attempt refuses connections, and the others read again until the port
+    they reach is live. Without the agent, env:// has rank 0 host the store already.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    host = os.environ["MASTER_ADDR"]
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent.set(_ATTEMPT_PORT_KEY, str(store.port))
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port = int(agent.get(_ATTEMPT_PORT_KEY))  # blocks until rank 0's first post
+        try:
+            socket.create_connection((host, port), timeout=10).close()  # quiet check before TCPStore
+            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except (OSError, dist.DistError):  # a dead attempt's port
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def init_world(layout: Layout, backend: str, timeout_s: float) -> Groups:
-    """Join the torchrun job (env:// rendezvous), every collective bounded by timeout_s, and
-    create the subgroups."""
+    """Join the torchrun job (env:// rendezvous, in a store of this attempt's own: see
+    :func:`_attempt_store`), every collective bounded by timeout_s, and create the subgroups."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     with phase("process group start-up"):
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=_attempt_store(layout.rank, timeout), rank=layout.rank,
+                                world_size=layout.world_size, timeout=timeout)
         return init_groups(layout, backend, timeout_s)

@@ -29,7 +29,8 @@ from config import Config, ConfigError, Derived, load_config, warnings_for
 from device import DTYPES, Platform, seed_everything, select_platform, write_env_report
 from metrics import AlarmMonitor, MetricsWriter, console_line
 from ranks import (MORE, NEXT, Groups, Layout, PhaseError, WeightBroadcast, all_reduce_max, all_reduce_sum,
-                         broadcast_flag, broadcast_samples, gather_samples, init_world, phase, report_phase_on_sigterm)
+                   broadcast_flag, broadcast_samples, gather_json, gather_samples, init_world, phase,
+                   report_phase_on_sigterm)
 from rollout import GroupPool, RolloutWorker, SampleBatch, keep_informative, make_reward_source
 
 
@@ -73,6 +74,10 @@ class PromptStream:
 
         return bucketed_batches(self.lengths, self.batch_size, self.bucket_size, seed=self.seed, epoch=self.epoch)
 
+    def seek(self, epoch: int, cursor: int) -> None:
+        self.epoch, self.cursor = epoch, cursor
+        self._batches = self._plan()
+
     def next(self) -> list[int]:
         if self.cursor == len(self._batches):
             self.epoch, self.cursor = self.epoch + 1, 0
@@ -99,8 +104,8 @@ class Trainer:
     With one process the same order runs with local hand-offs, so staleness means the same.
     """
 
-    def __init__(self, cfg: Config, plat: Platform, derived: Derived,
-                 layout: Optional[Layout] = None, groups: Optional[Groups] = None) -> None:
+    def __init__(self, cfg: Config, plat: Platform, derived: Derived, layout: Optional[Layout] = None,
+                 groups: Optional[Groups] = None, resume: Optional[Path] = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from data_prep import DataError, load_prompts
@@ -132,15 +137,25 @@ class Trainer:
             raise UserError(f"dataset {cfg.data.dataset}: no usable prompts")
         if cfg.model.rollout_dtype == "fp8":
             raise UserError("rollout_dtype fp8 is not supported yet in this build; use bf16 or fp32")
+        self.fingerprint = {
+            "model": ckpt.model_fingerprint(model_path), "tokenizer": ckpt.tokenizer_fingerprint(self.tokenizer),
+            "layout": {"world_size": self.layout.world_size, "learner_ranks": self.layout.num_learners},
+        }
+        saved = self._check_resumable(resume) if resume is not None else None
 
-        load = lambda dtype: AutoModelForCausalLM.from_pretrained(  # noqa: E731
-            model_path, dtype=dtype, local_files_only=True).to(plat.device)
+        def load(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(plat.device)
+
+        # The policy continues from the checkpoint's weights; the KL reference stays the base model.
+        weights_path = resume / "model" if resume is not None else model_path
         self.weight_version = 0
         self.step = 0
+        self.resumed_from = 0  # the step of the checkpoint this run continues (0: a fresh start)
+        self.first_generation_step = 1
         self.has_rollout = self.single or not self.layout.is_learner
         if self.layout.is_learner:
             torch.manual_seed(cfg.run.seed)
-            self.policy = load(torch.float32)
+            self.policy = load(weights_path, torch.float32)
             self.policy.config.use_cache = False
             self.param_shapes = [p.shape for p in self.policy.parameters()]
             if self.single:
@@ -152,7 +167,7 @@ class Trainer:
                 enable()
             self.ref_model = None
             if self.kl_coef_at(0) > 0 or cfg.algo.kl_coef > 0:
-                self.ref_model = copy.deepcopy(self.policy).eval().requires_grad_(False)
+                self.ref_model = load(model_path, torch.float32).eval().requires_grad_(False)
             if self.layout.num_learners > 1:
                 self._shard_learner_models()
             self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate,
@@ -161,7 +176,7 @@ class Trainer:
             self.skipped_steps = 0
             self.full_weights: list[torch.Tensor] = []
         else:
-            self.rollout_model = load(DTYPES[cfg.model.rollout_dtype])
+            self.rollout_model = load(weights_path, DTYPES[cfg.model.rollout_dtype])
         if self.has_rollout:
             self.rollout_model.eval().requires_grad_(False)
             self.rollout_model.config.use_cache = True
@@ -184,9 +199,13 @@ class Trainer:
             self.pool = GroupPool()
             self.alarms = AlarmMonitor(length_rising_steps=cfg.run.length_alarm_steps,
                                        overfit_checks=cfg.run.overfit_alarm_checks)
-            self.metrics = MetricsWriter(self.out_dir / "metrics.csv")
+            # A fresh start begins a new metrics.csv; a resumed one continues the checkpoint's copy.
+            self.metrics = MetricsWriter(self.out_dir / "metrics.csv", append=resume is not None)
             self.train_rewards_since_val: list[float] = []
             self.pending_rows: dict[int, dict[str, Any]] = {}
+            self.collected_ahead: Optional[tuple[SampleBatch, dict[str, Any]]] = None  # restored from a checkpoint
+        if saved is not None:
+            self._restore(resume, saved)
 
     def _shard_learner_models(self) -> None:
         """FSDP2 over the learner group: parameters, gradients and optimizer state split (ZeRO-3)."""
@@ -271,15 +290,17 @@ class Trainer:
             sums = self.validation_sums()
             with phase("validation"):
                 all_reduce_sum(sums, self.groups.sync, self.plat.device)
+        if self.save_due(version):
+            self.send_rank_state()
 
     def run_rollout(self) -> None:
         """A rollout rank's whole run: generate, send, obey "more"/"next", take new weights."""
         cfg = self.cfg
-        if self.val_due(0):
+        if self.weight_version == 0 and self.val_due(0):
             sums = self.validation_sums()
             with phase("validation"):
                 all_reduce_sum(sums, self.groups.sync, self.plat.device)
-        for step in range(1, cfg.run.max_steps + 1):
+        for step in range(self.first_generation_step, cfg.run.max_steps + 1 + self.collects_past_the_end()):
             while self.weight_version < max(0, step - 1 - cfg.run.max_staleness):
                 self.receive_weights()
             gen_index, flag = 0, MORE
@@ -299,6 +320,9 @@ class Trainer:
     def collect(self, step: int) -> tuple[SampleBatch, dict[str, Any]]:
         """Gather generation batches until ``prompts_per_step`` informative groups are pooled
         (REFERENCE.md §3); surplus groups stay in the pool for the next step."""
+        if self.collected_ahead is not None:  # collected before the checkpoint this run resumed from
+            collected, self.collected_ahead = self.collected_ahead, None
+            return collected
         cfg = self.cfg
         target, metric = cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling_metric
         carried = self.pool.num_groups
@@ -560,25 +584,38 @@ class Trainer:
         self.gather_full_weights()
         return row
 
+    def collects_past_the_end(self) -> bool:
+        run = self.cfg.run
+        return run.max_staleness > 0 and run.max_steps > self.resumed_from and self.save_due(run.max_steps)
+
+    def hand_off(self, version: int, collected: Optional[tuple[SampleBatch, dict[str, Any]]]) -> Optional[float]:
+        """Lead learner: send weights ``version`` to the rollout side, then checkpoint when due;
+        returns the seconds spent saving (None when nothing was saved)."""
+        if version <= self.resumed_from:  # v0 is the base model; a resumed run's first one went out before its save
+            return None
+        self.send_weights(version)
+        return self.save_checkpoint(version, collected) if self.save_due(version) else None
+
     def run_learner(self) -> None:
         """A learner's whole run; the lead also collects samples, hands off weights and writes metrics."""
         cfg, lead, stale = self.cfg.run, self.layout.is_lead, self.cfg.run.max_staleness
-        if lead:
-            if self.val_due(0):
-                row: dict[str, Any] = {"step": 0}
-                self.record_validation(row)
-                self.write_row(row)
+        if lead and self.resumed_from == 0 and self.val_due(0):
+            row: dict[str, Any] = {"step": 0}
+            self.record_validation(row)
+            self.write_row(row)
         last_end = time.perf_counter()
-        for step in range(1, cfg.max_steps + 1):
-            batch, row = None, {}
+        for step in range(self.resumed_from + 1, cfg.max_steps + 1):
+            batch, row, save_time = None, {}, None
             if lead:
-                if stale == 0 and step > 1:
-                    self.send_weights(step - 1)
+                if stale == 0:
+                    save_time = self.hand_off(step - 1, None)
                 batch, row = self.collect(step)
-                if stale > 0 and step > 1:
-                    self.send_weights(step - 1)
+                if stale > 0:
+                    save_time = self.hand_off(step - 1, (batch, row))
+            elif step - 1 > self.resumed_from and self.save_due(step - 1):
+                self.save_learner_shards(ckpt.tmp_dir(self.out_dir / "checkpoints", step - 1))
             train_start = time.perf_counter()
-            row.update(self.learn(step, batch))
+            row = {**row, **self.learn(step, batch)}
             train_time = time.perf_counter() - train_start
             if not lead:
                 continue
@@ -587,15 +624,21 @@ class Trainer:
             for message in messages:
                 warn(f"ALARM step {step}: {message}")
             self.train_rewards_since_val.append(row["reward_mean"])
-            if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.max_steps):
-                row["save_time_s"] = self.save_checkpoint()
             now = time.perf_counter()
             row.update(step=step, weight_version=step, train_time_s=train_time, step_time_s=now - last_end,
-                       overlap=(row["gen_time_s"] + train_time) / (now - last_end))
+                       save_time_s=save_time, overlap=(row["gen_time_s"] + train_time) / (now - last_end))
             last_end = now
             self.pending_rows[step] = row
+        final = cfg.max_steps
         if lead:
-            self.send_weights(cfg.max_steps)
+            # With rollout ahead, the final checkpoint holds the next step's batch like every other
+            # one, so a finished run extended with a larger max_steps continues exactly.
+            ahead = self.collect(final + 1) if self.collects_past_the_end() else None
+            save_time = self.hand_off(final, ahead)
+            if save_time is not None:
+                log(f"checkpoint {ckpt.step_dir_name(final)} saved in {save_time:.2f}s")
+        elif final > self.resumed_from and self.save_due(final):
+            self.save_learner_shards(ckpt.tmp_dir(self.out_dir / "checkpoints", final))
 
     def export_model(self) -> torch.nn.Module:
         """An unsharded model holding the lead's new weights, ready for save_pretrained."""
@@ -613,20 +656,126 @@ class Trainer:
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
         return model
 
-    def save_checkpoint(self) -> float:
-        """Lead learner: the new weights in Hugging Face format, tokenizer and trainer state."""
+    # ----- checkpoints (DESIGN.md "Checkpoints") -------------------------------------------------
+    #
+    # Checkpoint v is written right after weights v are handed to the rollout side, so rollout
+    # generates while the lead saves, and every sample generated but not yet trained on is in the
+    # lead's hands: the surplus groups, plus, when rollout runs ahead (max_staleness >= 1), the
+    # batch already collected for step v+1. Resuming from v therefore regenerates nothing.
+
+    def save_due(self, version: int) -> bool:
+        every = self.cfg.run.save_every
+        return bool(every) and (version % every == 0 or version == self.cfg.run.max_steps)
+
+    def rank_state(self) -> dict[str, Any]:
+        """What this rank alone knows: its random generators and, on rollout ranks, the data position."""
+        state: dict[str, Any] = {"rank": self.layout.rank, "rng": self.plat.rng_state()}
+        if self.has_rollout:
+            state["prompt_stream"] = {"epoch": self.prompts.epoch, "cursor": self.prompts.cursor}
+        return state
+
+    def save_learner_shards(self, folder: Path) -> list[dict[str, Any]]:
+        """Every learner: its shard of the optimizer state; the learners' rank states to the lead."""
+        group = self.groups.learners if self.groups is not None else None
+        with phase("checkpoint"):
+            ckpt.save_optimizer(folder / "optimizer", self.policy, self.optimizer, group)
+            if self.layout.num_learners == 1:
+                return [self.rank_state()]
+            return gather_json(self.rank_state(), self.layout.lead_learner, group, self.plat.device)
+
+    def send_rank_state(self) -> None:
+        """Rollout rank, when a checkpoint is due: its rank state to the lead, then on to generation."""
+        with phase("checkpoint"):
+            gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync, self.plat.device)
+
+    def save_checkpoint(self, version: int, collected: Optional[tuple[SampleBatch, dict[str, Any]]]) -> float:
+        """Lead learner: checkpoint ``version`` (weights, optimizer, sample buffer, data position,
+        every rank's RNG, trainer state); returns the seconds it took."""
         start = time.perf_counter()
+        states = []
+        if not self.single:
+            with phase("checkpoint"):
+                states = gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync,
+                                     self.plat.device)[:-1]  # the lead's own entry comes with the learners'
+        buffers = {f"pool.{k}": v for k, v in self.pool.pending.tensors().items()} if self.pool.pending else {}
+        if collected is not None:
+            buffers.update({f"ahead.{k}": v for k, v in collected[0].tensors().items()})
+        alarms = self.alarms
+        trainer_state = {
+            "step": version, "weight_version": version,
+            "generated_through_step": version + (collected is not None),
+            "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+            "kl_coef": self.kl_coef_at(version), "lr": self.lr_at(self.optimizer_steps),
+            "group_size": self.cfg.rollout.sample_num,
+            "collected_ahead_row": collected[1] if collected is not None else None,
+            "train_rewards_since_val": self.train_rewards_since_val,
+            "alarms": {"counts": alarms.counts, "val_history": alarms.val_history, "last_kl": alarms.last_kl,
+                       "rising_streak": alarms.rising_streak, "last_length": alarms.last_length},
+            "fingerprint": self.fingerprint, "config": self.cfg.flat(),
+        }
 
         def contents(folder: Path) -> None:
+            states.extend(self.save_learner_shards(folder))
             self.export_model().save_pretrained(folder / "model", safe_serialization=True)
             self.tokenizer.save_pretrained(folder / "model")
-            ckpt.write_json(folder / "trainer_state.json", {
-                "step": self.step, "weight_version": self.step, "optimizer_steps": self.optimizer_steps,
-                "skipped_steps": self.skipped_steps, "kl_coef": self.kl_coef_at(self.step),
-            })
+            ckpt.write_tensors(folder / "sample_buffer.safetensors", buffers)
+            ckpt.write_json(folder / "rank_states.json", {str(s["rank"]): s for s in states})
+            ckpt.write_json(folder / "trainer_state.json", trainer_state)
+            shutil.copyfile(self.out_dir / "metrics.csv", folder / "metrics.csv")
 
-        ckpt.save_step(self.out_dir / "checkpoints", self.step, contents, keep_last=self.cfg.run.keep_last)
+        ckpt.save_step(self.out_dir / "checkpoints", version, contents, keep_last=self.cfg.run.keep_last)
         return time.perf_counter() - start
+
+    def _check_resumable(self, folder: Path) -> dict[str, Any]:
+        """The checkpoint's trainer state, if it was written by this model, tokenizer and layout."""
+        saved = ckpt.read_json(folder / "trainer_state.json")
+        for what in ("model", "tokenizer", "layout"):
+            difference = ckpt.first_difference(saved["fingerprint"][what], self.fingerprint[what])
+            if difference:
+                raise UserError(f"checkpoint {folder} is from a different {what}: {difference}")
+        if self.layout.is_lead:
+            unchanged = ("max_steps", "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "log_every",
+                         "save_every", "keep_last", "dist_timeout_s")
+            changed = sorted(k for k, v in self.cfg.flat().items()
+                             if k not in unchanged and saved["config"].get(k, v) != v)
+            if changed:
+                warn(f"resuming with changed settings ({', '.join(changed)}): the run will not match an "
+                     f"uninterrupted one")
+        return saved
+
+    def _restore(self, folder: Path, saved: dict[str, Any]) -> None:
+        """Everything but the weights (loaded with the models): optimizer, counters, buffer, data
+        position, metrics so far, and last this rank's random generators."""
+        self.resumed_from = self.step = saved["step"]
+        self.first_generation_step = saved["generated_through_step"] + 1
+        if self.layout.is_learner:
+            group = self.groups.learners if self.groups is not None else None
+            with phase("checkpoint load"):
+                ckpt.load_optimizer(folder / "optimizer", self.policy, self.optimizer, group)
+            self.optimizer_steps, self.skipped_steps = saved["optimizer_steps"], saved["skipped_steps"]
+        if self.has_rollout:
+            self.weight_version = saved["weight_version"]
+        mine = ckpt.read_json(folder / "rank_states.json")[str(self.layout.rank)]
+        if self.has_rollout:
+            self.prompts.seek(**mine["prompt_stream"])
+        if self.layout.is_lead:
+            tensors = ckpt.read_tensors(folder / "sample_buffer.safetensors")
+
+            def batch(prefix: str) -> Optional[SampleBatch]:
+                part = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+                return SampleBatch(**part, group_size=saved["group_size"]) if part else None
+
+            self.pool.pending = batch("pool.")
+            if saved["collected_ahead_row"] is not None:
+                self.collected_ahead = (batch("ahead."), saved["collected_ahead_row"])
+            alarms = saved["alarms"]
+            self.alarms.counts = alarms["counts"]
+            self.alarms.val_history = [tuple(pair) for pair in alarms["val_history"]]
+            self.alarms.last_kl, self.alarms.last_length = alarms["last_kl"], alarms["last_length"]
+            self.alarms.rising_streak = alarms["rising_streak"]
+            self.train_rewards_since_val = saved["train_rewards_since_val"]
+            shutil.copyfile(folder / "metrics.csv", self.out_dir / "metrics.csv")  # drops rows after the checkpoint
+        self.plat.set_rng_state(mine["rng"])
 
     def train(self) -> None:
         if self.layout.is_learner:
@@ -635,23 +784,41 @@ class Trainer:
             self.run_rollout()
 
 
-def prepare_output_dir(cfg: Config, *, create: bool) -> Path:
+def prepare_output_dir(cfg: Config, *, create: bool, resuming: bool) -> Path:
     """Refuse to overwrite checkpoints (every rank checks; only ``create`` changes anything)."""
     out = Path(cfg.run.output_dir)
     existing = ckpt.complete_steps(out / "checkpoints") + ckpt.incomplete_steps(out / "checkpoints")
-    if existing and not cfg.run.overwrite_output_dir and not cfg.run.resume_from_checkpoint:
+    if existing and not cfg.run.overwrite_output_dir and not resuming:
         raise UserError(f"output_dir {out} already holds checkpoints; pass --resume_from_checkpoint auto to continue "
                         f"or --overwrite_output_dir true to start over")
     if not create:
         return out
-    if cfg.run.overwrite_output_dir:
+    if cfg.run.overwrite_output_dir and not resuming:
         for stale in (out / "checkpoints", out / "metrics.csv"):
             if stale.is_dir():
                 shutil.rmtree(stale)
             elif stale.exists():
                 stale.unlink()
+    ckpt.remove_partial_saves(out / "checkpoints")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def find_resume_checkpoint(cfg: Config, *, lead: bool) -> Optional[Path]:
+    """The step folder to continue from, or None for a fresh start. After torchrun restarts a
+    crashed job (TORCHELASTIC_RESTART_COUNT > 0) the run resumes by itself, whatever it was told."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    spec = cfg.run.resume_from_checkpoint or ("auto" if restarted else None)
+    if spec is None:
+        return None
+    root = Path(cfg.run.output_dir) / "checkpoints"
+    try:
+        folder = ckpt.find_checkpoint(root, spec, warn if lead else (lambda message: None))
+    except ckpt.CheckpointError as error:
+        raise UserError(str(error)) from None
+    if lead:
+        log(f"resuming from {folder}" if folder else f"no complete checkpoint in {root}: starting fresh")
+    return folder
 
 
 def main(argv: list[str]) -> int:
@@ -662,8 +829,6 @@ def main(argv: list[str]) -> int:
         derived = Derived.of(cfg, world_size)
         layout = Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                         num_learners=derived.num_learner_ranks)
-        if cfg.run.resume_from_checkpoint:
-            raise UserError("resume_from_checkpoint is not implemented in this build yet")
         if cfg.data.val_dataset is None and cfg.run.val_every and layout.is_lead:
             warn("no val_dataset: validation is off")
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
@@ -673,19 +838,23 @@ def main(argv: list[str]) -> int:
         if layout.is_lead:
             for message in warnings_for(cfg):
                 warn(message)
-        prepare_output_dir(cfg, create=layout.is_lead)
+        resume = find_resume_checkpoint(cfg, lead=layout.is_lead)
+        prepare_output_dir(cfg, create=layout.is_lead, resuming=cfg.run.resume_from_checkpoint is not None
+                           or resume is not None)
         role = "rollout+learner" if world_size == 1 else layout.role + (" (lead)" if layout.is_lead else "")
-        log(f"rank {layout.rank}/{world_size} role={role} device={plat.device} backend={plat.backend}")
+        log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} "
+            f"backend={plat.backend}")
         if world_size > 1:
             report_phase_on_sigterm(layout.rank)
             plat.bind()
             groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s)
         seed_everything(cfg.run.seed + layout.rank)
+        trainer = Trainer(cfg, plat, derived, layout, groups, resume)  # checks the inputs before anything is written
         if layout.is_lead:
             out = Path(cfg.run.output_dir)
             (out / "config.yaml").write_text(cfg.to_yaml())
             write_env_report(out / "env_report.json", plat, world_size)
-        Trainer(cfg, plat, derived, layout, groups).train()
+        trainer.train()
         if groups is not None:
             with phase("shutdown"):
                 dist.barrier()  # ranks that finish early must not tear down gloo pairs others still use

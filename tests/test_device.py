@@ -1,10 +1,13 @@
 """Device selection: CPU without torch_npu, the NPU branch with a fake torch_npu, and who names devices."""
+import json
+import random
 import re
 import subprocess
 import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,13 +47,18 @@ def test_npu_beats_cuda_and_cuda_beats_cpu(monkeypatch):
     assert select_platform("cuda").backend == "nccl"  # an explicit request wins
 
 
-def test_rng_state_round_trip():
+def test_rng_state_survives_json_and_restores_every_generator():
     plat = select_platform("cpu")
     device.seed_everything(5)
-    state = plat.rng_state()
-    first = torch.rand(3)
+    state = json.loads(json.dumps(plat.rng_state()))  # what a checkpoint stores
+
+    def draws():
+        return torch.rand(3).tolist(), random.random(), np.random.rand(2).tolist(), np.random.randn()
+
+    first = draws()
+    draws()
     plat.set_rng_state(state)
-    assert torch.equal(torch.rand(3), first)
+    assert draws() == first
 
 
 def test_env_report_lists_what_article_5_1_asks_for(tmp_path):

@@ -67,24 +67,76 @@ def test_weight_buckets_respect_the_limit_and_cover_every_parameter():
         assert size <= 2 * 2**20 or len(bucket) == 1  # an oversized parameter travels alone
 
 
-def test_eight_ranks_are_deterministic_and_save_identical_weights(demo_assets, tmp_path):
-    outputs = []
-    for name in ("a", "b"):
-        proc = torchrun(8, run_args(demo_assets, tmp_path / name, 3))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outputs.append(proc.stdout)
-    assert outputs[0].count("role=rollout") == 6 and outputs[0].count("role=learner") == 2
-    rows_a, rows_b = metrics_rows(tmp_path / "a"), metrics_rows(tmp_path / "b")
-    assert [r["step"] for r in rows_a] == ["0", "1", "2", "3"] and rows_a == rows_b
-    assert rows_a[2]["staleness"] == "1"  # step 2 trained on samples from v0: rollout ran one step ahead
-    weights = [(tmp_path / n / "checkpoints" / "step_00000003" / "model" / "model.safetensors").read_bytes()
-               for n in ("a", "b")]
-    assert weights[0] == weights[1]
+def weights_at(out: Path, step: int) -> bytes:
+    return (out / "checkpoints" / f"step_{step:08d}" / "model" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def eight_rank_reference(demo_assets, tmp_path_factory) -> tuple[Path, str]:
+    """An uninterrupted 6-step 8-rank run with every checkpoint kept: (output dir, stdout)."""
+    out = tmp_path_factory.mktemp("eight") / "uninterrupted"
+    proc = torchrun(8, run_args(demo_assets, out, 6, "--save_every", "1", "--keep_last", "10", "--val_every", "3"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_eight_ranks_resume_exactly_and_repeat_exactly(demo_assets, eight_rank_reference, tmp_path):
+    """Stopped after step 3 and resumed to 6: the same weights and rows as the uninterrupted run,
+    which also shows two runs of the same steps are identical (rows and weights 1-3)."""
+    reference, log = eight_rank_reference
+    assert log.count("role=rollout") == 6 and log.count("role=learner") == 2
+    out = tmp_path / "resumed"
+    extra = ("--save_every", "1", "--val_every", "3")
+    first = torchrun(8, run_args(demo_assets, out, 3, *extra))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert weights_at(out, 3) == weights_at(reference, 3)
+    second = torchrun(8, run_args(demo_assets, out, 6, *extra, "--resume_from_checkpoint", "auto"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from" in second.stdout and "step_00000003" in second.stdout
+    rows, expected = metrics_rows(out), metrics_rows(reference)
+    assert [r["step"] for r in rows] == [str(s) for s in range(7)] and rows == expected
+    assert rows[2]["staleness"] == "1"  # step 2 trained on samples from v0: rollout ran one step ahead
+    assert weights_at(out, 6) == weights_at(reference, 6)
     from transformers import AutoModelForCausalLM
 
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "checkpoints" / "step_00000003" / "model")
+    trained = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_00000006" / "model")
     base = AutoModelForCausalLM.from_pretrained(demo_assets / "model")
     assert any(not torch.equal(p, q) for p, q in zip(trained.parameters(), base.parameters()))
+
+
+def test_a_crashed_rank_restarts_the_job_from_its_checkpoint(demo_assets, eight_rank_reference, tmp_path):
+    """torchrun --max-restarts 2, a rollout rank SIGKILLed during step 3: the job restarts by
+    itself, resumes from the newest checkpoint and ends exactly like the uninterrupted run."""
+    reference, _ = eight_rank_reference
+    out = tmp_path / "restarted"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", "--max-restarts=2",
+           "--monitor_interval=1",
+           *run_args(demo_assets, out, 6, "--save_every", "1", "--val_every", "3", "--dist_timeout_s", "30")]
+    stderr = (tmp_path / "stderr.txt").open("w")
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                           start_new_session=True)
+    try:
+        pids, lines = {}, []
+        for line in job.stdout:
+            lines.append(line)
+            if " role=" in line and " pid=" in line:
+                pids[line.split()[1]] = int(line.split(" pid=")[1].split()[0])
+            if line.startswith("step     2 |"):  # row 2 is written during step 3 (after its weights go out)
+                os.kill(pids["2/8"], signal.SIGKILL)
+                break
+        else:
+            pytest.fail("the job ended before step 2: " + "".join(lines[-20:]))
+        rest, _ = job.communicate(timeout=300)
+        log = "".join(lines) + rest
+        assert job.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+        assert log.count("role=rollout") == 12  # every rank started twice
+        assert "resuming from" in log
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert metrics_rows(out) == metrics_rows(reference)
+    assert weights_at(out, 6) == weights_at(reference, 6)
 
 
 def test_synchronous_mode_has_no_staleness(demo_assets, tmp_path):

@@ -1,0 +1,204 @@
+"""Checkpoints: atomic folders, refusal of damaged ones, and resumes that match uninterrupted runs."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ckpt
+import train_dapo
+from metrics import TIMING_COLUMNS
+
+ROOT = Path(__file__).resolve().parents[1]
+WEIGHTS = Path("model") / "model.safetensors"
+
+
+def rows_without_timing(out: Path) -> list[dict[str, str]]:
+    with (out / "metrics.csv").open() as f:
+        return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS} for row in csv.DictReader(f)]
+
+
+def train(argv: list[str], script: tuple[str, ...] = ("train_dapo.py",)) -> subprocess.CompletedProcess:
+    """A one-process run in its own interpreter, one thread: the arithmetic every run here compares."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, *script, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def step_folder(out: Path, step: int) -> Path:
+    return out / "checkpoints" / ckpt.step_dir_name(step)
+
+
+def run_argv(demo_argv: list[str], out: Path, steps: int, *extra: str) -> list[str]:
+    # val_every 3: the 3-step run validates at step 3 like the 6-step one, so every row can match.
+    return demo_argv + ["--output_dir", str(out), "--max_steps", str(steps), "--save_every", "1",
+                        "--val_every", "3", *extra]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(demo_assets, tmp_path_factory) -> Path:
+    """A 6-step one-process run, checkpoint every step, the reference for every resume below."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    argv = ["--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--model_path", str(demo_assets / "model"),
+            "--dataset", str(demo_assets / "train.jsonl"), "--val_dataset", str(demo_assets / "val.jsonl"),
+            "--val_max_prompts", "24", "--log_every", "1"]
+    proc = train(run_argv(argv, out, 6))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+# ----- the folder format ------------------------------------------------------------------------
+
+def fill(folder: Path) -> None:
+    (folder / "weights.bin").write_bytes(b"x" * 100)
+    ckpt.write_json(folder / "state.json", {"a": 1})
+
+
+def test_save_is_atomic_and_keeps_the_newest(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in range(1, 6):
+        ckpt.save_step(root, step, fill, keep_last=3)
+    assert [p.name for p in ckpt.complete_steps(root)] == [ckpt.step_dir_name(s) for s in (3, 4, 5)]
+    assert (root / "latest").read_text().strip() == ckpt.step_dir_name(5)
+    assert not list(root.glob(".tmp_*"))
+    newest = root / ckpt.step_dir_name(5)
+    marker = json.loads((newest / ckpt.COMPLETE).read_text())
+    assert marker["file_sizes"] == {"state.json": (newest / "state.json").stat().st_size, "weights.bin": 100}
+
+
+def test_damaged_folders_are_refused_and_auto_skips_them(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        ckpt.save_step(root, step, fill, keep_last=5)
+    (root / ckpt.step_dir_name(3) / ckpt.COMPLETE).unlink()
+    with (root / ckpt.step_dir_name(2) / "weights.bin").open("r+b") as f:
+        f.truncate(40)
+    with pytest.raises(ckpt.CheckpointError, match="incomplete"):
+        ckpt.check_step(root / ckpt.step_dir_name(3))
+    with pytest.raises(ckpt.CheckpointError, match="weights.bin is truncated"):
+        ckpt.check_step(root / ckpt.step_dir_name(2))
+    warnings: list[str] = []
+    assert ckpt.find_checkpoint(root, "auto", warnings.append) == root / ckpt.step_dir_name(1)
+    assert len(warnings) == 2 and "incomplete" in warnings[0] and "truncated" in warnings[1]
+    assert ckpt.find_checkpoint(tmp_path / "nothing", "auto", warnings.append) is None
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    ckpt.save_step(root, 1, fill, keep_last=3)
+    script = (f"import os, signal, sys; sys.path.insert(0, {str(ROOT)!r}); import ckpt\n"
+              f"def die(folder):\n"
+              f"    (folder / 'weights.bin').write_bytes(b'half')\n"
+              f"    os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"ckpt.save_step(ckpt.Path({str(root)!r}), 2, die, keep_last=3)\n")
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
+    assert (root / ".tmp_step_00000002" / "weights.bin").is_file()
+    assert ckpt.find_checkpoint(root, "auto", pytest.fail) == root / ckpt.step_dir_name(1)
+    ckpt.remove_partial_saves(root)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", ckpt.step_dir_name(1)]
+
+
+# ----- resuming the one-process run ---------------------------------------------------------------
+
+def test_one_process_resume_matches_the_uninterrupted_run(demo_argv, uninterrupted, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "resumed"
+    assert train(run_argv(demo_argv, out, 3)).returncode == 0
+    proc = train(run_argv(demo_argv, out, 6, "--resume_from_checkpoint", "auto"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resuming from {step_folder(out, 3)}" in proc.stdout
+    assert (step_folder(out, 6) / WEIGHTS).read_bytes() == (step_folder(uninterrupted, 6) / WEIGHTS).read_bytes()
+    resumed, reference = rows_without_timing(out), rows_without_timing(uninterrupted)
+    assert [r["step"] for r in resumed] == [str(s) for s in range(7)]
+    assert resumed == reference
+    # keep_last 3 (the config's default) and a model folder any transformers user can open
+    assert [p.name for p in ckpt.complete_steps(out / "checkpoints")] == [ckpt.step_dir_name(s) for s in (4, 5, 6)]
+    model = AutoModelForCausalLM.from_pretrained(step_folder(out, 6) / "model")
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_sigkill_while_saving_then_auto_resume(demo_argv, uninterrupted, tmp_path):
+    """The whole job (one process) is killed while checkpoint 3 is being written."""
+    out = tmp_path / "killed"
+    script = ("import os, signal, sys; import ckpt, train_dapo\n"
+              "real = ckpt._fsync_tree\n"
+              "def fsync_then_die(folder):\n"
+              "    if folder.name.endswith('step_00000003'): os.kill(os.getpid(), signal.SIGKILL)\n"
+              "    real(folder)\n"
+              "ckpt._fsync_tree = fsync_then_die\n"
+              "sys.exit(train_dapo.main(sys.argv[1:]))\n")
+    killed = train(run_argv(demo_argv, out, 6), script=("-c", script))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert (out / "checkpoints" / ".tmp_step_00000003" / WEIGHTS).is_file()  # written, never marked complete
+    assert (out / "checkpoints" / "latest").read_text().strip() == ckpt.step_dir_name(2)
+    resumed = train(run_argv(demo_argv, out, 6, "--resume_from_checkpoint", "auto"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from {step_folder(out, 2)}" in resumed.stdout
+    assert not (out / "checkpoints" / ".tmp_step_00000003").exists()
+    assert (step_folder(out, 6) / WEIGHTS).read_bytes() == (step_folder(uninterrupted, 6) / WEIGHTS).read_bytes()
+    assert rows_without_timing(out) == rows_without_timing(uninterrupted)
+
+
+# ----- refusals: one line, exit 2, nothing on disk changed -----------------------------------------
+
+def refused(argv: list[str], capsys) -> str:
+    assert train_dapo.main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if not line.startswith("warning: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: "), err
+    return errors[0]
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def finished_copy(uninterrupted, tmp_path) -> Path:
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(uninterrupted, out)
+    return out
+
+
+def test_truncated_weights_are_refused(demo_argv, finished_copy, capsys):
+    weights = step_folder(finished_copy, 6) / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:1000])
+    before = snapshot(finished_copy)
+    err = refused(run_argv(demo_argv, finished_copy, 8, "--resume_from_checkpoint", str(step_folder(finished_copy, 6))),
+                  capsys)
+    assert err.startswith("error: checkpoint") and "model/model.safetensors is truncated" in err
+    assert snapshot(finished_copy) == before
+
+
+def test_missing_complete_is_refused(demo_argv, finished_copy, capsys):
+    (step_folder(finished_copy, 5) / ckpt.COMPLETE).unlink()
+    err = refused(run_argv(demo_argv, finished_copy, 8, "--resume_from_checkpoint", str(step_folder(finished_copy, 5))),
+                  capsys)
+    assert "is incomplete (no COMPLETE marker" in err
+
+
+def test_checkpoint_of_another_model_is_refused(demo_argv, demo_assets, finished_copy, tmp_path, capsys):
+    import shutil
+
+    other = tmp_path / "other_model"
+    shutil.copytree(demo_assets / "model", other)
+    config = json.loads((other / "config.json").read_text())
+    config["max_position_embeddings"] *= 2  # loads fine, is a different model
+    (other / "config.json").write_text(json.dumps(config))
+    before = snapshot(finished_copy)
+    err = refused(run_argv(demo_argv, finished_copy, 8, "--resume_from_checkpoint", "auto", "--model_path", str(other)),
+                  capsys)
+    assert "is from a different model: max_position_embeddings: 128 (checkpoint) vs 256" in err
+    assert snapshot(finished_copy) == before
+
+
+def test_auto_without_a_checkpoint_starts_fresh_and_says_so(demo_argv, tmp_path, capsys):
+    out = tmp_path / "fresh"
+    assert train_dapo.main(run_argv(demo_argv, out, 1, "--resume_from_checkpoint", "auto")) == 0
+    assert "no complete checkpoint" in capsys.readouterr().out
+    assert [r["step"] for r in rows_without_timing(out)] == ["0", "1"]

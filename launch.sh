@@ -12,7 +12,7 @@ usage: ./launch.sh COMMAND [ARGS...]
   smoke                   environment checks: a matmul on the device, a 2-process all_reduce
   train CONFIG [--KEY VALUE ...]
                           torchrun over NPROC_PER_NODE (8) processes; multi-node with NNODES, NODE_RANK,
-                          MASTER_ADDR, MASTER_PORT
+                          MASTER_ADDR, MASTER_PORT; MAX_RESTARTS (0) restarts after a crash
 TXT
   exit 2
 }
@@ -53,7 +53,10 @@ torchrun_cmd() {
   local nnodes="${NNODES:-1}"
   # A 5 s monitor interval gives the surviving ranks time to report which phase broke before
   # torchrun tears the job down.
-  local args=(--nproc_per_node="${NPROC_PER_NODE:-8}" --nnodes="$nnodes" --monitor_interval=5)
+  # MAX_RESTARTS > 0: after a crash torchrun restarts every rank and the run resumes from its
+  # newest complete checkpoint by itself.
+  local args=(--nproc_per_node="${NPROC_PER_NODE:-8}" --nnodes="$nnodes" --monitor_interval=5
+              --max-restarts="${MAX_RESTARTS:-0}")
   if [[ "$nnodes" -gt 1 ]]; then
     args+=(--node_rank="${NODE_RANK:?NODE_RANK must be set for multi-node}"
            --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:?MASTER_ADDR must be set}:${MASTER_PORT:-29500}")

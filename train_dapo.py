@@ -290,7 +290,7 @@ class Trainer:
             sums = self.validation_sums()
             with phase("validation"):
                 all_reduce_sum(sums, self.groups.sync, self.plat.device)
-        if self.save_due(version):
+        if self.saves_at(version):
             self.send_rank_state()
 
     def run_rollout(self) -> None:
@@ -585,8 +585,7 @@ class Trainer:
         return row
 
     def collects_past_the_end(self) -> bool:
-        run = self.cfg.run
-        return run.max_staleness > 0 and run.max_steps > self.resumed_from and self.save_due(run.max_steps)
+        return self.cfg.run.max_staleness > 0 and self.saves_at(self.cfg.run.max_steps)
 
     def hand_off(self, version: int, collected: Optional[tuple[SampleBatch, dict[str, Any]]]) -> Optional[float]:
         """Lead learner: send weights ``version`` to the rollout side, then checkpoint when due;
@@ -594,7 +593,7 @@ class Trainer:
         if version <= self.resumed_from:  # v0 is the base model; a resumed run's first one went out before its save
             return None
         self.send_weights(version)
-        return self.save_checkpoint(version, collected) if self.save_due(version) else None
+        return self.save_checkpoint(version, collected) if self.saves_at(version) else None
 
     def run_learner(self) -> None:
         """A learner's whole run; the lead also collects samples, hands off weights and writes metrics."""
@@ -612,7 +611,7 @@ class Trainer:
                 batch, row = self.collect(step)
                 if stale > 0:
                     save_time = self.hand_off(step - 1, (batch, row))
-            elif step - 1 > self.resumed_from and self.save_due(step - 1):
+            elif self.saves_at(step - 1):
                 self.save_learner_shards(ckpt.tmp_dir(self.out_dir / "checkpoints", step - 1))
             train_start = time.perf_counter()
             row = {**row, **self.learn(step, batch)}
@@ -637,7 +636,7 @@ class Trainer:
             save_time = self.hand_off(final, ahead)
             if save_time is not None:
                 log(f"checkpoint {ckpt.step_dir_name(final)} saved in {save_time:.2f}s")
-        elif final > self.resumed_from and self.save_due(final):
+        elif self.saves_at(final):
             self.save_learner_shards(ckpt.tmp_dir(self.out_dir / "checkpoints", final))
 
     def export_model(self) -> torch.nn.Module:
@@ -663,9 +662,11 @@ class Trainer:
     # lead's hands: the surplus groups, plus, when rollout runs ahead (max_staleness >= 1), the
     # batch already collected for step v+1. Resuming from v therefore regenerates nothing.
 
-    def save_due(self, version: int) -> bool:
+    def saves_at(self, version: int) -> bool:
+        """Whether this run writes checkpoint ``version`` (a resumed run has its first one already)."""
         every = self.cfg.run.save_every
-        return bool(every) and (version % every == 0 or version == self.cfg.run.max_steps)
+        return version > self.resumed_from and bool(every) and (version % every == 0 or
+                                                                 version == self.cfg.run.max_steps)
 
     def rank_state(self) -> dict[str, Any]:
         """What this rank alone knows: its random generators and, on rollout ranks, the data position."""
@@ -850,6 +851,8 @@ def main(argv: list[str]) -> int:
             groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s)
         seed_everything(cfg.run.seed + layout.rank)
         trainer = Trainer(cfg, plat, derived, layout, groups, resume)  # checks the inputs before anything is written
+        if layout.is_lead and trainer.resumed_from >= cfg.run.max_steps:
+            log(f"the checkpoint is at step {trainer.resumed_from}, max_steps is {cfg.run.max_steps}: nothing to train")
         if layout.is_lead:
             out = Path(cfg.run.output_dir)
             (out / "config.yaml").write_text(cfg.to_yaml())

@@ -294,7 +294,7 @@ def all_reduce_max(value: float, group: dist.ProcessGroup, device: torch.device)
     return float(tensor.item())
 
 
-_ATTEMPT_PORT_KEY = "ranks.attempt_store_port"
+_ATTEMPT_STORE_KEY = "ranks.attempt_store"
 
 
 def _attempt_store(rank: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
@@ -305,25 +305,29 @@ def _attempt_store(rank: int, timeout: datetime.timedelta) -> Optional[dist.Stor
     keys there and gloo dials dead addresses ("connectFullMesh failed ... Connection refused") or
     waits forever (pytorch/pytorch#135712). A key prefix from TORCHELASTIC_RESTART_COUNT is no
     cure with several nodes: an agent whose own workers were healthy restarts them without
-    counting (#108158). So rank 0 hosts a fresh store and posts its port in the agent's store; a
-    port posted by a dead attempt refuses connections, and the others read again until the port
-    they reach is live. Without the agent, env:// has rank 0 host the store already.
+    counting (#108158). So rank 0 hosts a fresh store and posts its address in the agent's store;
+    an address posted by a dead attempt refuses connections, and the others read again until the
+    one they reach is live. Without the agent, env:// has rank 0 host the store already.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    host = os.environ["MASTER_ADDR"]
-    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    agent_address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    agent = dist.TCPStore(*agent_address, is_master=False, timeout=timeout)
     if rank == 0:
+        # The agent's store may live on another node than rank 0: post the address on which the
+        # other ranks reach this node (the one this node uses to reach the agent).
+        with socket.create_connection(agent_address) as probe:
+            host = probe.getsockname()[0]
         store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
-        agent.set(_ATTEMPT_PORT_KEY, str(store.port))
+        agent.set(_ATTEMPT_STORE_KEY, f"{host} {store.port}")
         return store
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
-        port = int(agent.get(_ATTEMPT_PORT_KEY))  # blocks until rank 0's first post
+        host, port = agent.get(_ATTEMPT_STORE_KEY).decode().split()  # blocks until rank 0's first post
         try:
-            socket.create_connection((host, port), timeout=10).close()  # quiet check before TCPStore
-            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        except (OSError, dist.DistError):  # a dead attempt's port
+            socket.create_connection((host, int(port)), timeout=10).close()  # quiet check before TCPStore
+            return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        except (OSError, dist.DistError):  # a dead attempt's store
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)

@@ -118,6 +118,9 @@ def check_step(folder: Path) -> None:
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint {folder} does not exist")
     marker = folder / COMPLETE
+    if not marker.is_file() and not folder.name.startswith(STEP_PREFIX):
+        raise CheckpointError(f"{folder} is not a checkpoint step folder (expected OUTPUT_DIR/checkpoints/"
+                              f"{STEP_PREFIX}<N>)")
     if not marker.is_file():
         raise CheckpointError(f"checkpoint {folder} is incomplete (no {COMPLETE} marker: its save was interrupted)")
     try:

@@ -9,19 +9,14 @@ if it stalled everything. Generation time is shown for both, to see that saving 
 """
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
-from demo_runs import medians, run_demo
+from demo_runs import bench_arguments, medians, run_demo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--nproc", type=int, default=8)
-    parser.add_argument("--skip", type=int, default=5)
-    args = parser.parse_args()
+    args = bench_arguments(__doc__.splitlines()[0])
     keys = ("step_time_s", "gen_time_s", "save_time_s")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

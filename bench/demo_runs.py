@@ -1,6 +1,7 @@
 """What the demo benches share: the demo assets, an N-rank run of the demo, medians of metrics.csv."""
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import statistics
@@ -30,3 +31,12 @@ def medians(metrics: Path, skip: int, keys: tuple[str, ...]) -> dict[str, float]
     with metrics.open() as f:
         rows = [r for r in csv.DictReader(f) if r["step_time_s"]][skip:]
     return {key: statistics.median(float(r[key] or 0.0) for r in rows) for key in keys}
+
+
+def bench_arguments(description: str) -> argparse.Namespace:
+    """--steps, --nproc and --skip (start-up steps left out of the medians), as every demo bench takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--nproc", type=int, default=8)
+    parser.add_argument("--skip", type=int, default=5)
+    return parser.parse_args()

@@ -9,19 +9,14 @@ take turns, above 1 when generation of step j+1 runs while step j trains. The fi
 """
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
-from demo_runs import medians, run_demo
+from demo_runs import bench_arguments, medians, run_demo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--nproc", type=int, default=8)
-    parser.add_argument("--skip", type=int, default=5)
-    args = parser.parse_args()
+    args = bench_arguments(__doc__.splitlines()[0])
     keys = ("step_time_s", "gen_time_s", "train_time_s", "overlap")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -83,6 +83,8 @@ def test_damaged_folders_are_refused_and_auto_skips_them(tmp_path):
     assert ckpt.find_checkpoint(root, "auto", warnings.append) == root / ckpt.step_dir_name(1)
     assert len(warnings) == 2 and "incomplete" in warnings[0] and "truncated" in warnings[1]
     assert ckpt.find_checkpoint(tmp_path / "nothing", "auto", warnings.append) is None
+    with pytest.raises(ckpt.CheckpointError, match="not a checkpoint step folder"):
+        ckpt.find_checkpoint(root, str(tmp_path), warnings.append)
 
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):

@@ -229,12 +229,15 @@ def model_fingerprint(model_path: Path) -> dict[str, Any]:
     return {k: v for k, v in sorted(config.items()) if k not in _MODEL_CONFIG_NOISE}
 
 
+def digest(value: Any) -> str:
+    """A short hash of anything JSON can write: equal values, equal digests."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return {"vocab_size": len(tokenizer), "vocab_sha256": hashlib.sha256(vocab.encode()).hexdigest(),
+    return {"vocab_size": len(tokenizer), "vocab": digest(sorted(tokenizer.get_vocab().items())),
             "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
-            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()}
+            "chat_template": digest(getattr(tokenizer, "chat_template", None) or "")}
 
 
 def first_difference(saved: dict[str, Any], current: dict[str, Any]) -> Optional[str]:

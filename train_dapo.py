@@ -140,6 +140,10 @@ class Trainer:
         self.fingerprint = {
             "model": ckpt.model_fingerprint(model_path), "tokenizer": ckpt.tokenizer_fingerprint(self.tokenizer),
             "layout": {"world_size": self.layout.world_size, "learner_ranks": self.layout.num_learners},
+            # What the saved data position and sample buffer mean: the same prompts, batched the same way.
+            "data": {"train_prompts": ckpt.digest(self.train_set.prompt_ids), "prompts_per_step":
+                     cfg.rollout.prompts_per_step, "sample_num": cfg.rollout.sample_num,
+                     "bucket_size": cfg.data.bucket_size, "seed": cfg.run.seed},
         }
         saved = self._check_resumable(resume) if resume is not None else None
 
@@ -730,10 +734,10 @@ class Trainer:
     def _check_resumable(self, folder: Path) -> dict[str, Any]:
         """The checkpoint's trainer state, if it was written by this model, tokenizer and layout."""
         saved = ckpt.read_json(folder / "trainer_state.json")
-        for what in ("model", "tokenizer", "layout"):
+        for what in ("model", "tokenizer", "layout", "data"):
             difference = ckpt.first_difference(saved["fingerprint"][what], self.fingerprint[what])
             if difference:
-                raise UserError(f"checkpoint {folder} is from a different {what}: {difference}")
+                raise UserError(f"checkpoint {folder} does not match this run's {what}: {difference}")
         if self.layout.is_lead:
             unchanged = ("max_steps", "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "log_every",
                          "save_every", "keep_last", "dist_timeout_s")

@@ -10,6 +10,9 @@ import pytest
 
 import ckpt
 import train_dapo
+from config import Derived, load_config
+from device import select_platform
+from ranks import Layout
 from metrics import TIMING_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,8 +198,19 @@ def test_checkpoint_of_another_model_is_refused(demo_argv, demo_assets, finished
     before = snapshot(finished_copy)
     err = refused(run_argv(demo_argv, finished_copy, 8, "--resume_from_checkpoint", "auto", "--model_path", str(other)),
                   capsys)
-    assert "is from a different model: max_position_embeddings: 128 (checkpoint) vs 256" in err
+    assert "does not match this run's model: max_position_embeddings: 128 (checkpoint) vs 256" in err
     assert snapshot(finished_copy) == before
+
+
+def test_checkpoint_of_another_layout_or_batching_is_refused(demo_argv, finished_copy, capsys):
+    err = refused(run_argv(demo_argv, finished_copy, 8, "--resume_from_checkpoint", "auto", "--prompts_per_step", "4"),
+                  capsys)
+    assert "does not match this run's data: prompts_per_step: 6 (checkpoint) vs 4 (this run)" in err
+    # The layout check runs in every rank's Trainer, before any model is loaded or group used.
+    cfg = load_config(run_argv(demo_argv, finished_copy, 8))
+    with pytest.raises(train_dapo.UserError, match="does not match this run's layout: world_size: 1 .checkpoint. vs 2"):
+        train_dapo.Trainer(cfg, select_platform("cpu"), Derived.of(cfg, 2),
+                           Layout(world_size=2, rank=1, num_learners=1), resume=step_folder(finished_copy, 6))
 
 
 def test_auto_without_a_checkpoint_starts_fresh_and_says_so(demo_argv, tmp_path, capsys):

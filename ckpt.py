@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -113,6 +114,37 @@ def _delete_step(folder: Path) -> None:
     shutil.rmtree(folder)
 
 
+class BackgroundSave:
+    """Runs :func:`save_step` on a thread, one at a time, so training goes on while files are
+    written; a failure surfaces at the next :meth:`wait`. The caller hands over only data that
+    will not change under the writer."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def start(self, ckpt_root: Path, step: int, write_contents: Callable[[Path], None], *, keep_last: int) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                save_step(ckpt_root, step, write_contents, keep_last=keep_last)
+            except BaseException as error:  # handed to the training thread at wait()
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name=f"save-{step_dir_name(step)}")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete on disk."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"writing a checkpoint failed: {error}") from error
+
+
 def check_step(folder: Path) -> None:
     """Raise CheckpointError unless ``folder`` is a complete, untruncated step folder."""
     if not folder.is_dir():
@@ -166,9 +198,13 @@ def find_checkpoint(ckpt_root: Path, spec: str, warn: Callable[[str], None]) -> 
 
 # ----- formats ---------------------------------------------------------------------------------
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
+def json_text(payload: dict[str, Any]) -> str:
     # repr-exact floats: a resumed run must read back the very numbers it saved.
-    path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    return json.dumps(payload, indent=1, sort_keys=True) + "\n"
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.write_text(json_text(payload))
 
 
 def read_json(path: Path) -> dict[str, Any]:

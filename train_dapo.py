@@ -208,6 +208,7 @@ class Trainer:
             self.train_rewards_since_val: list[float] = []
             self.pending_rows: dict[int, dict[str, Any]] = {}
             self.collected_ahead: Optional[tuple[SampleBatch, dict[str, Any]]] = None  # restored from a checkpoint
+            self.saver = ckpt.BackgroundSave()
         if saved is not None:
             self._restore(resume, saved)
 
@@ -637,24 +638,25 @@ class Trainer:
             # With rollout ahead, the final checkpoint holds the next step's batch like every other
             # one, so a finished run extended with a larger max_steps continues exactly.
             ahead = self.collect(final + 1) if self.collects_past_the_end() else None
-            save_time = self.hand_off(final, ahead)
-            if save_time is not None:
-                log(f"checkpoint {ckpt.step_dir_name(final)} saved in {save_time:.2f}s")
+            waited = self.hand_off(final, ahead)
+            start = time.perf_counter()
+            self.saver.wait()  # the run ends with its last checkpoint complete on disk
+            if waited is not None:
+                log(f"checkpoint {ckpt.step_dir_name(final)} saved in {waited + time.perf_counter() - start:.2f}s")
         elif self.saves_at(final):
             self.save_learner_shards(ckpt.tmp_dir(self.out_dir / "checkpoints", final))
 
     def export_model(self) -> torch.nn.Module:
-        """An unsharded model holding the lead's new weights, ready for save_pretrained."""
+        """An unsharded model holding the lead's latest weights, ready for save_pretrained."""
         from transformers import AutoModelForCausalLM
 
-        if self.layout.num_learners == 1:
-            model = self.policy
-        else:  # FSDP shards: wrap the gathered full tensors in a plain model, without copying them
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(self.policy.config)
-            names = [name for name, _ in model.named_parameters()]
-            model.load_state_dict(dict(zip(names, self.full_weights)), strict=False, assign=True)
-            model.tie_weights()
+        # The gathered full tensors in a plain model, without copying them: the next update
+        # replaces self.full_weights and never changes these, so a background writer can save them.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.policy.config)
+        names = [name for name, _ in model.named_parameters()]
+        model.load_state_dict(dict(zip(names, self.full_weights)), strict=False, assign=True)
+        model.tie_weights()
         # transformers writes files only on global rank 0; the lead learner is a later rank.
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
         return model
@@ -695,40 +697,52 @@ class Trainer:
 
     def save_checkpoint(self, version: int, collected: Optional[tuple[SampleBatch, dict[str, Any]]]) -> float:
         """Lead learner: checkpoint ``version`` (weights, optimizer, sample buffer, data position,
-        every rank's RNG, trainer state); returns the seconds it took."""
+        every rank's RNG, trainer state); returns the seconds the run waited for it.
+
+        The optimizer shards are written now, by every learner, since the next update changes
+        them; everything else is captured now and written by a background thread while the
+        learners train the next step. The next save, or the end of the run, waits for it.
+        """
         start = time.perf_counter()
+        self.saver.wait()
         states = []
         if not self.single:
             with phase("checkpoint"):
                 states = gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync,
                                      self.plat.device)[:-1]  # the lead's own entry comes with the learners'
+        root = self.out_dir / "checkpoints"
+        ckpt.tmp_dir(root, version).mkdir(parents=True, exist_ok=True)
+        states.extend(self.save_learner_shards(ckpt.tmp_dir(root, version)))
         buffers = {f"pool.{k}": v for k, v in self.pool.pending.tensors().items()} if self.pool.pending else {}
         if collected is not None:
             buffers.update({f"ahead.{k}": v for k, v in collected[0].tensors().items()})
         alarms = self.alarms
-        trainer_state = {
-            "step": version, "weight_version": version,
-            "generated_through_step": version + (collected is not None),
-            "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
-            "kl_coef": self.kl_coef_at(version), "lr": self.lr_at(self.optimizer_steps),
-            "group_size": self.cfg.rollout.sample_num,
-            "collected_ahead_row": collected[1] if collected is not None else None,
-            "train_rewards_since_val": self.train_rewards_since_val,
-            "alarms": {"counts": alarms.counts, "val_history": alarms.val_history, "last_kl": alarms.last_kl,
-                       "rising_streak": alarms.rising_streak, "last_length": alarms.last_length},
-            "fingerprint": self.fingerprint, "config": self.cfg.flat(),
+        texts = {
+            "rank_states.json": ckpt.json_text({str(s["rank"]): s for s in states}),
+            "trainer_state.json": ckpt.json_text({
+                "step": version, "weight_version": version,
+                "generated_through_step": version + (collected is not None),
+                "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
+                "kl_coef": self.kl_coef_at(version), "lr": self.lr_at(self.optimizer_steps),
+                "group_size": self.cfg.rollout.sample_num,
+                "collected_ahead_row": collected[1] if collected is not None else None,
+                "train_rewards_since_val": self.train_rewards_since_val,
+                "alarms": {"counts": alarms.counts, "val_history": alarms.val_history, "last_kl": alarms.last_kl,
+                           "rising_streak": alarms.rising_streak, "last_length": alarms.last_length},
+                "fingerprint": self.fingerprint, "config": self.cfg.flat(),
+            }),
+            "metrics.csv": (self.out_dir / "metrics.csv").read_text(),
         }
+        model = self.export_model()
 
         def contents(folder: Path) -> None:
-            states.extend(self.save_learner_shards(folder))
-            self.export_model().save_pretrained(folder / "model", safe_serialization=True)
+            model.save_pretrained(folder / "model", safe_serialization=True)
             self.tokenizer.save_pretrained(folder / "model")
             ckpt.write_tensors(folder / "sample_buffer.safetensors", buffers)
-            ckpt.write_json(folder / "rank_states.json", {str(s["rank"]): s for s in states})
-            ckpt.write_json(folder / "trainer_state.json", trainer_state)
-            shutil.copyfile(self.out_dir / "metrics.csv", folder / "metrics.csv")
+            for name, text in texts.items():
+                (folder / name).write_text(text)
 
-        ckpt.save_step(self.out_dir / "checkpoints", version, contents, keep_last=self.cfg.run.keep_last)
+        self.saver.start(root, version, contents, keep_last=self.cfg.run.keep_last)
         return time.perf_counter() - start
 
     def _check_resumable(self, folder: Path) -> dict[str, Any]:
@@ -868,7 +882,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, UserError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
-    except PhaseError as e:
+    except (PhaseError, ckpt.CheckpointError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
     finally:

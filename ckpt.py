@@ -114,29 +114,31 @@ def _delete_step(folder: Path) -> None:
     shutil.rmtree(folder)
 
 
-class BackgroundSave:
-    """Runs :func:`save_step` on a thread, one at a time, so training goes on while files are
-    written; a failure surfaces at the next :meth:`wait`. The caller hands over only data that
-    will not change under the writer."""
+class BackgroundWriter:
+    """Runs one writing task at a time on a thread, so training goes on while files are written;
+    a failure surfaces at the next :meth:`wait`. Tasks get only data that nothing changes under
+    them (host copies, tensors the next update replaces rather than modifies)."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
-    def start(self, ckpt_root: Path, step: int, write_contents: Callable[[Path], None], *, keep_last: int) -> None:
+    def start(self, name: str, task: Callable[[], None]) -> None:
         self.wait()
 
         def run() -> None:
             try:
-                save_step(ckpt_root, step, write_contents, keep_last=keep_last)
+                task()
             except BaseException as error:  # handed to the training thread at wait()
                 self._error = error
 
-        self._thread = threading.Thread(target=run, name=f"save-{step_dir_name(step)}")
+        # A daemon: a run that dies mid-write must not hang at exit in the writer's collective; its
+        # half-written folder is never marked complete, so nothing is lost but that checkpoint.
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is complete on disk."""
+        """Block until the task in flight (if any) is done."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -231,15 +233,31 @@ def _one_process_is_fine() -> Iterator[None]:
         yield
 
 
-def save_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   group: Optional[Any]) -> None:
-    """Each learner writes its own shard of the optimizer state (DCP); a collective over ``group``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+class OptimizerSaver:
+    """Each learner's shard of the optimizer state through DCP: copied to host memory when the
+    checkpoint is taken (:meth:`stage`), written later (:meth:`write`, on a writer thread)."""
 
-    with _one_process_is_fine():
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder),
-                 process_group=group, no_dist=group is None)
+    def __init__(self) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # Synchronous, unpinned copies; the stager reuses its host buffers from one save to the
+        # next, so a write must finish before the next stage (BackgroundWriter.start waits).
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=False))
+
+    def stage(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return {"optimizer": self._stager.stage(get_optimizer_state_dict(model, optimizer))}
+
+    @staticmethod
+    def write(folder: Path, staged: dict[str, Any], group: Optional[Any]) -> None:
+        """A collective over ``group`` (every learner's writer thread joins it): a group that
+        training never uses, since it runs beside training's own collectives."""
+        import torch.distributed.checkpoint as dcp
+
+        with _one_process_is_fine():
+            dcp.save(staged, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
 
 
 def load_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

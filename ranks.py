@@ -111,6 +111,7 @@ class Layout:
 class Groups:
     learners: Optional[dist.ProcessGroup]  # None on rollout ranks
     sync: Optional[dist.ProcessGroup]  # None on learners other than the lead
+    checkpoint: Optional[dist.ProcessGroup] = None  # the learners again, for checkpoint writer threads only
 
 
 def init_groups(layout: Layout, backend: str, timeout_s: float) -> Groups:
@@ -120,8 +121,12 @@ def init_groups(layout: Layout, backend: str, timeout_s: float) -> Groups:
     sync_ranks = list(range(layout.num_rollout)) + [layout.lead_learner]
     learners = dist.new_group(learner_ranks, backend=backend, timeout=timeout)
     sync = dist.new_group(sync_ranks, backend=backend, timeout=timeout)
+    # Checkpoint files are written beside training, so their collectives need a group of their
+    # own; gloo, because what they carry are host copies.
+    checkpoint = dist.new_group(learner_ranks, backend="gloo", timeout=timeout)
     return Groups(learners=learners if layout.is_learner else None,
-                  sync=sync if (not layout.is_learner or layout.is_lead) else None)
+                  sync=sync if (not layout.is_learner or layout.is_lead) else None,
+                  checkpoint=checkpoint if layout.is_learner else None)
 
 
 # ----- samples: rollout ranks -> lead learner -> all learners ----------------------------------

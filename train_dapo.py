@@ -178,6 +178,8 @@ class Trainer:
                                                betas=(0.9, 0.999), weight_decay=cfg.optim.weight_decay)
             self.optimizer_steps = 0
             self.skipped_steps = 0
+            self.writer = ckpt.BackgroundWriter()
+            self.optimizer_saver = ckpt.OptimizerSaver()
             self.full_weights: list[torch.Tensor] = []
         else:
             self.rollout_model = load(weights_path, DTYPES[cfg.model.rollout_dtype])
@@ -208,7 +210,6 @@ class Trainer:
             self.train_rewards_since_val: list[float] = []
             self.pending_rows: dict[int, dict[str, Any]] = {}
             self.collected_ahead: Optional[tuple[SampleBatch, dict[str, Any]]] = None  # restored from a checkpoint
-            self.saver = ckpt.BackgroundSave()
         if saved is not None:
             self._restore(resume, saved)
 
@@ -617,7 +618,7 @@ class Trainer:
                 if stale > 0:
                     save_time = self.hand_off(step - 1, (batch, row))
             elif self.saves_at(step - 1):
-                self.save_learner_shards(ckpt.tmp_dir(self.out_dir / "checkpoints", step - 1))
+                self.save_learner_shards(step - 1)
             train_start = time.perf_counter()
             row = {**row, **self.learn(step, batch)}
             train_time = time.perf_counter() - train_start
@@ -633,18 +634,18 @@ class Trainer:
                        save_time_s=save_time, overlap=(row["gen_time_s"] + train_time) / (now - last_end))
             last_end = now
             self.pending_rows[step] = row
-        final = cfg.max_steps
+        final, waited = cfg.max_steps, None
         if lead:
             # With rollout ahead, the final checkpoint holds the next step's batch like every other
             # one, so a finished run extended with a larger max_steps continues exactly.
             ahead = self.collect(final + 1) if self.collects_past_the_end() else None
             waited = self.hand_off(final, ahead)
-            start = time.perf_counter()
-            self.saver.wait()  # the run ends with its last checkpoint complete on disk
-            if waited is not None:
-                log(f"checkpoint {ckpt.step_dir_name(final)} saved in {waited + time.perf_counter() - start:.2f}s")
         elif self.saves_at(final):
-            self.save_learner_shards(ckpt.tmp_dir(self.out_dir / "checkpoints", final))
+            self.save_learner_shards(final)
+        start = time.perf_counter()
+        self.writer.wait()  # the run ends with its last checkpoint complete on disk
+        if waited is not None:
+            log(f"checkpoint {ckpt.step_dir_name(final)} saved in {waited + time.perf_counter() - start:.2f}s")
 
     def export_model(self) -> torch.nn.Module:
         """An unsharded model holding the lead's latest weights, ready for save_pretrained."""
@@ -681,14 +682,26 @@ class Trainer:
             state["prompt_stream"] = {"epoch": self.prompts.epoch, "cursor": self.prompts.cursor}
         return state
 
-    def save_learner_shards(self, folder: Path) -> list[dict[str, Any]]:
-        """Every learner: its shard of the optimizer state; the learners' rank states to the lead."""
-        group = self.groups.learners if self.groups is not None else None
+    def take_learner_shards(self, version: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Every learner, for checkpoint ``version``: a host copy of its optimizer shard, and the
+        learners' rank states (on the lead)."""
+        self.writer.wait()  # the previous checkpoint's files are complete, and the host buffers free
+        staged = self.optimizer_saver.stage(self.policy, self.optimizer)
+        if self.layout.num_learners == 1:
+            return staged, [self.rank_state()]
         with phase("checkpoint"):
-            ckpt.save_optimizer(folder / "optimizer", self.policy, self.optimizer, group)
-            if self.layout.num_learners == 1:
-                return [self.rank_state()]
-            return gather_json(self.rank_state(), self.layout.lead_learner, group, self.plat.device)
+            states = gather_json(self.rank_state(), self.layout.lead_learner, self.groups.learners, self.plat.device)
+        return staged, states
+
+    def write_optimizer_shard(self, folder: Path, staged: dict[str, Any]) -> None:
+        group = self.groups.checkpoint if self.groups is not None else None
+        ckpt.OptimizerSaver.write(folder / "optimizer", staged, group)
+
+    def save_learner_shards(self, version: int) -> None:
+        """A learner other than the lead: its part of checkpoint ``version``, written beside training."""
+        staged, _ = self.take_learner_shards(version)
+        folder = ckpt.tmp_dir(self.out_dir / "checkpoints", version)
+        self.writer.start(f"save-{version}", lambda: self.write_optimizer_shard(folder, staged))
 
     def send_rank_state(self) -> None:
         """Rollout rank, when a checkpoint is due: its rank state to the lead, then on to generation."""
@@ -699,20 +712,18 @@ class Trainer:
         """Lead learner: checkpoint ``version`` (weights, optimizer, sample buffer, data position,
         every rank's RNG, trainer state); returns the seconds the run waited for it.
 
-        The optimizer shards are written now, by every learner, since the next update changes
-        them; everything else is captured now and written by a background thread while the
-        learners train the next step. The next save, or the end of the run, waits for it.
+        Everything is captured now (the optimizer shards as host copies on every learner) and
+        written by writer threads while the learners train the next step; the next save, or the
+        end of the run, waits for them.
         """
         start = time.perf_counter()
-        self.saver.wait()
         states = []
         if not self.single:
             with phase("checkpoint"):
                 states = gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync,
                                      self.plat.device)[:-1]  # the lead's own entry comes with the learners'
-        root = self.out_dir / "checkpoints"
-        ckpt.tmp_dir(root, version).mkdir(parents=True, exist_ok=True)
-        states.extend(self.save_learner_shards(ckpt.tmp_dir(root, version)))
+        staged, learner_states = self.take_learner_shards(version)
+        states.extend(learner_states)
         buffers = {f"pool.{k}": v for k, v in self.pool.pending.tensors().items()} if self.pool.pending else {}
         if collected is not None:
             buffers.update({f"ahead.{k}": v for k, v in collected[0].tensors().items()})
@@ -736,13 +747,15 @@ class Trainer:
         model = self.export_model()
 
         def contents(folder: Path) -> None:
+            self.write_optimizer_shard(folder, staged)
             model.save_pretrained(folder / "model", safe_serialization=True)
             self.tokenizer.save_pretrained(folder / "model")
             ckpt.write_tensors(folder / "sample_buffer.safetensors", buffers)
             for name, text in texts.items():
                 (folder / name).write_text(text)
 
-        self.saver.start(root, version, contents, keep_last=self.cfg.run.keep_last)
+        root, keep_last = self.out_dir / "checkpoints", self.cfg.run.keep_last
+        self.writer.start(f"save-{version}", lambda: ckpt.save_step(root, version, contents, keep_last=keep_last))
         return time.perf_counter() - start
 
     def _check_resumable(self, folder: Path) -> dict[str, Any]:

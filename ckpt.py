@@ -4,7 +4,8 @@ A step folder is written under a temporary name, flushed, marked ``COMPLETE`` la
 size of every file, so truncation is caught on load), then renamed into place;
 ``checkpoints/latest`` is replaced atomically after that. A folder without ``COMPLETE`` is never
 loaded, so a crash mid-save leaves the previous checkpoint usable. Only safe formats are
-written: safetensors, JSON and torch.distributed.checkpoint (DCP); nothing is pickled.
+written: safetensors, JSON and torch.distributed.checkpoint (DCP, whose tensors load with
+``weights_only=True``; its small ``.metadata`` index is DCP's own pickle); nothing else is pickled.
 
 What goes into a folder, and when, is the trainer's business (train_dapo.py); this module knows
 files, not training.

@@ -114,6 +114,17 @@ class AlarmMonitor:
                                                   f"raise sample_num or kl_coef")])
         return []
 
+    def history(self) -> dict[str, Any]:
+        """What a checkpoint keeps (the thresholds come from the config of the run that resumes)."""
+        return {"counts": dict(self.counts), "val_history": [list(pair) for pair in self.val_history],
+                "last_kl": self.last_kl, "rising_streak": self.rising_streak, "last_length": self.last_length}
+
+    def restore(self, history: dict[str, Any]) -> None:
+        self.counts = dict(history["counts"])
+        self.val_history = [tuple(pair) for pair in history["val_history"]]
+        self.last_kl, self.rising_streak, self.last_length = (history["last_kl"], history["rising_streak"],
+                                                              history["last_length"])
+
     def _count(self, fired: list[tuple[str, str]]) -> list[str]:
         for key, _ in fired:
             self.counts[key] += 1

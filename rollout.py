@@ -55,6 +55,16 @@ class SampleBatch:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
 
+    def named_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The tensors under ``prefix.NAME`` keys, for a safetensors file holding several batches."""
+        return {f"{prefix}.{name}": tensor for name, tensor in self.tensors().items()}
+
+    @staticmethod
+    def from_named_tensors(tensors: dict[str, torch.Tensor], prefix: str, group_size: int) -> Optional["SampleBatch"]:
+        """The batch :meth:`named_tensors` stored under ``prefix``, or None when there is none."""
+        mine = {key[len(prefix) + 1:]: value for key, value in tensors.items() if key.startswith(f"{prefix}.")}
+        return SampleBatch(**mine, group_size=group_size) if mine else None
+
     def select_groups(self, groups: Sequence[int]) -> "SampleBatch":
         g = self.group_size
         rows = torch.tensor([r for grp in groups for r in range(grp * g, grp * g + g)], dtype=torch.long)

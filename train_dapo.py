@@ -302,7 +302,7 @@ class Trainer:
     def run_rollout(self) -> None:
         """A rollout rank's whole run: generate, send, obey "more"/"next", take new weights."""
         cfg = self.cfg
-        if self.weight_version == 0 and self.val_due(0):
+        if self.weight_version == 0 and self.val_due(0):  # a resumed run validated v0 long ago
             sums = self.validation_sums()
             with phase("validation"):
                 all_reduce_sum(sums, self.groups.sync, self.plat.device)
@@ -724,10 +724,9 @@ class Trainer:
                                      self.plat.device)[:-1]  # the lead's own entry comes with the learners'
         staged, learner_states = self.take_learner_shards(version)
         states.extend(learner_states)
-        buffers = {f"pool.{k}": v for k, v in self.pool.pending.tensors().items()} if self.pool.pending else {}
+        buffers = self.pool.pending.named_tensors("pool") if self.pool.pending else {}
         if collected is not None:
-            buffers.update({f"ahead.{k}": v for k, v in collected[0].tensors().items()})
-        alarms = self.alarms
+            buffers.update(collected[0].named_tensors("ahead"))
         texts = {
             "rank_states.json": ckpt.json_text({str(s["rank"]): s for s in states}),
             "trainer_state.json": ckpt.json_text({
@@ -738,8 +737,7 @@ class Trainer:
                 "group_size": self.cfg.rollout.sample_num,
                 "collected_ahead_row": collected[1] if collected is not None else None,
                 "train_rewards_since_val": self.train_rewards_since_val,
-                "alarms": {"counts": alarms.counts, "val_history": alarms.val_history, "last_kl": alarms.last_kl,
-                           "rising_streak": alarms.rising_streak, "last_length": alarms.last_length},
+                "alarms": self.alarms.history(),
                 "fingerprint": self.fingerprint, "config": self.cfg.flat(),
             }),
             "metrics.csv": (self.out_dir / "metrics.csv").read_text(),
@@ -791,20 +789,12 @@ class Trainer:
         if self.has_rollout:
             self.prompts.seek(**mine["prompt_stream"])
         if self.layout.is_lead:
-            tensors = ckpt.read_tensors(folder / "sample_buffer.safetensors")
-
-            def batch(prefix: str) -> Optional[SampleBatch]:
-                part = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                return SampleBatch(**part, group_size=saved["group_size"]) if part else None
-
-            self.pool.pending = batch("pool.")
+            buffers = ckpt.read_tensors(folder / "sample_buffer.safetensors")
+            self.pool.pending = SampleBatch.from_named_tensors(buffers, "pool", saved["group_size"])
             if saved["collected_ahead_row"] is not None:
-                self.collected_ahead = (batch("ahead."), saved["collected_ahead_row"])
-            alarms = saved["alarms"]
-            self.alarms.counts = alarms["counts"]
-            self.alarms.val_history = [tuple(pair) for pair in alarms["val_history"]]
-            self.alarms.last_kl, self.alarms.last_length = alarms["last_kl"], alarms["last_length"]
-            self.alarms.rising_streak = alarms["rising_streak"]
+                self.collected_ahead = (SampleBatch.from_named_tensors(buffers, "ahead", saved["group_size"]),
+                                        saved["collected_ahead_row"])
+            self.alarms.restore(saved["alarms"])
             self.train_rewards_since_val = saved["train_rewards_since_val"]
             shutil.copyfile(folder / "metrics.csv", self.out_dir / "metrics.csv")  # drops rows after the checkpoint
         self.plat.set_rng_state(mine["rng"])

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import ckpt
 import train_dapo
@@ -218,3 +219,30 @@ def test_auto_without_a_checkpoint_starts_fresh_and_says_so(demo_argv, tmp_path,
     assert train_dapo.main(run_argv(demo_argv, out, 1, "--resume_from_checkpoint", "auto")) == 0
     assert "no complete checkpoint" in capsys.readouterr().out
     assert [r["step"] for r in rows_without_timing(out)] == ["0", "1"]
+
+
+def test_alarm_history_and_sample_buffers_survive_the_checkpoint_formats(tmp_path):
+    from metrics import AlarmMonitor
+    from tests.test_rollout import fake_batch
+
+    def feed(monitor, lengths):
+        return [monitor.observe_step(kl=0.01 * n, length=n, reward_std=0.5) for n in lengths]
+
+    uninterrupted, first = AlarmMonitor(length_rising_steps=3), AlarmMonitor(length_rising_steps=3)
+    feed(uninterrupted, [1, 2, 3]), feed(first, [1, 2, 3])
+    uninterrupted.observe_validation(val_reward=0.5, train_reward=0.1)
+    first.observe_validation(val_reward=0.5, train_reward=0.1)
+    resumed = AlarmMonitor(length_rising_steps=3)
+    resumed.restore(json.loads(json.dumps(first.history())))
+    fired = feed(resumed, [4, 5, 1])
+    assert fired == feed(uninterrupted, [4, 5, 1])
+    assert fired[0], "the length alarm needs the streak carried over from before the checkpoint"
+    assert resumed.history() == uninterrupted.history()
+
+    batch = fake_batch([1, 0, 0, 1], group_size=2, prompt_width=3, response_width=2)
+    ckpt.write_tensors(tmp_path / "buffer.safetensors", batch.named_tensors("pool"))
+    stored = ckpt.read_tensors(tmp_path / "buffer.safetensors")
+    back = type(batch).from_named_tensors(stored, "pool", group_size=2)
+    assert all(torch.equal(getattr(back, k), v) and getattr(back, k).dtype == v.dtype
+               for k, v in batch.tensors().items())
+    assert type(batch).from_named_tensors(stored, "ahead", group_size=2) is None

@@ -169,10 +169,10 @@ def check_step(folder: Path) -> None:
         if path.stat().st_size != size:
             raise CheckpointError(f"checkpoint {folder}: {name} is truncated or damaged "
                                   f"({path.stat().st_size} bytes, {size} when saved)")
+    from safetensors import safe_open
+
     for path in folder.rglob("*.safetensors"):
         try:
-            from safetensors import safe_open
-
             with safe_open(str(path), framework="pt"):
                 pass
         except Exception as error:  # safetensors raises its own types for bad headers and offsets
@@ -204,10 +204,6 @@ def find_checkpoint(ckpt_root: Path, spec: str, warn: Callable[[str], None]) -> 
 def json_text(payload: dict[str, Any]) -> str:
     # repr-exact floats: a resumed run must read back the very numbers it saved.
     return json.dumps(payload, indent=1, sort_keys=True) + "\n"
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.write_text(json_text(payload))
 
 
 def read_json(path: Path) -> dict[str, Any]:

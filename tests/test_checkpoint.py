@@ -57,7 +57,7 @@ def uninterrupted(demo_assets, tmp_path_factory) -> Path:
 
 def fill(folder: Path) -> None:
     (folder / "weights.bin").write_bytes(b"x" * 100)
-    ckpt.write_json(folder / "state.json", {"a": 1})
+    (folder / "state.json").write_text(ckpt.json_text({"a": 1}))
 
 
 def test_save_is_atomic_and_keeps_the_newest(tmp_path):

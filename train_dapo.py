@@ -827,20 +827,28 @@ def prepare_output_dir(cfg: Config, *, create: bool, resuming: bool) -> Path:
 
 
 def find_resume_checkpoint(cfg: Config, *, lead: bool) -> Optional[Path]:
-    """The step folder to continue from, or None for a fresh start. After torchrun restarts a
-    crashed job (TORCHELASTIC_RESTART_COUNT > 0) the run resumes by itself, whatever it was told."""
+    """The step folder to continue from, or None for a fresh start.
+
+    After torchrun restarts a crashed job (TORCHELASTIC_RESTART_COUNT > 0) the run continues
+    from its own newest checkpoint by itself, whatever it was told; until it has one, from what
+    it was told (a PATH into another run, say).
+    """
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    spec = cfg.run.resume_from_checkpoint or ("auto" if restarted else None)
-    if spec is None:
-        return None
+    specs = (["auto"] if restarted else []) + ([cfg.run.resume_from_checkpoint] if cfg.run.resume_from_checkpoint
+                                               else [])
     root = Path(cfg.run.output_dir) / "checkpoints"
-    try:
-        folder = ckpt.find_checkpoint(root, spec, warn if lead else (lambda message: None))
-    except ckpt.CheckpointError as error:
-        raise UserError(str(error)) from None
-    if lead:
-        log(f"resuming from {folder}" if folder else f"no complete checkpoint in {root}: starting fresh")
-    return folder
+    for spec in dict.fromkeys(specs):  # in order, without repeats
+        try:
+            folder = ckpt.find_checkpoint(root, spec, warn if lead else (lambda message: None))
+        except ckpt.CheckpointError as error:
+            raise UserError(str(error)) from None
+        if folder is not None:
+            if lead:
+                log(f"resuming from {folder}")
+            return folder
+    if specs and lead:
+        log(f"no complete checkpoint in {root}: starting fresh")
+    return None
 
 
 def main(argv: list[str]) -> int:

@@ -7,8 +7,10 @@ loaded, so a crash mid-save leaves the previous checkpoint usable. Only safe for
 written: safetensors, JSON and torch.distributed.checkpoint (DCP, whose tensors load with
 ``weights_only=True``; its small ``.metadata`` index is DCP's own pickle); nothing else is pickled.
 
-What goes into a folder, and when, is the trainer's business (train_dapo.py); this module knows
-files, not training.
+The second half says what a step folder holds and what a resume checks: the lead learner's
+files, every rank's state, the fingerprints a checkpoint must share with the run that resumes
+it, and which folder a run resumes from. When a checkpoint is taken is the choreography's
+business (train_dapo.py).
 """
 from __future__ import annotations
 
@@ -18,11 +20,15 @@ import json
 import os
 import shutil
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+
+from config import UserError
+from ranks import gather_json, phase
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
@@ -285,6 +291,19 @@ def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def run_fingerprint(cfg: Any, tokenizer: Any, train_prompts: list[list[int]], world_size: int,
+                    num_learners: int) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it: the model, the tokenizer, the
+    rank layout, and what its saved data position and sample buffer mean (the same prompts,
+    batched the same way)."""
+    return {
+        "model": model_fingerprint(Path(cfg.model.model_path)), "tokenizer": tokenizer_fingerprint(tokenizer),
+        "layout": {"world_size": world_size, "learner_ranks": num_learners},
+        "data": {"train_prompts": digest(train_prompts), "prompts_per_step": cfg.rollout.prompts_per_step,
+                 "sample_num": cfg.rollout.sample_num, "bucket_size": cfg.data.bucket_size, "seed": cfg.run.seed},
+    }
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     return {"vocab_size": len(tokenizer), "vocab": digest(sorted(tokenizer.get_vocab().items())),
             "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
@@ -297,3 +316,155 @@ def first_difference(saved: dict[str, Any], current: dict[str, Any]) -> Optional
         if saved.get(key) != current.get(key):
             return f"{key}: {saved.get(key)!r} (checkpoint) vs {current.get(key)!r} (this run)"
     return None
+
+
+# ----- a training state: what a step folder holds, what a resume checks ------------------------
+
+class Checkpointer:
+    """One rank's part in taking and restoring a run's checkpoints (DESIGN.md "Checkpoints").
+
+    Checkpoint v is taken right after weights v go to the rollout side. Every rank hands the lead
+    its rank state (random generators; on rollout ranks, the data position); every learner stages
+    a host copy of its optimizer shard; the lead captures the weights, every sample not yet
+    trained on, the trainer state and metrics.csv. Writer threads write the folder while the
+    learners train the next step; the next save, or the end of the run, waits for them.
+    """
+
+    def __init__(self, cfg: Any, plat: Any, layout: Any, groups: Any, *, fingerprint: dict[str, Any], tokenizer: Any,
+                 learner: Any = None, rollout: Any = None, sampler: Any = None, report: Any = None) -> None:
+        # The roles' objects (learner.Learner, rollout.Rollout / DynamicSampler, metrics.StepReporter)
+        # by duck type: this module sits below them.
+        self.cfg, self.plat, self.layout, self.groups = cfg, plat, layout, groups
+        self.fingerprint, self.tokenizer = fingerprint, tokenizer
+        self.learner, self.rollout, self.sampler, self.report = learner, rollout, sampler, report
+        self.out_dir = Path(cfg.run.output_dir)
+        self.root = self.out_dir / "checkpoints"
+
+    def rank_state(self) -> dict[str, Any]:
+        """What this rank alone knows: its random generators and, on rollout ranks, the data position."""
+        state: dict[str, Any] = {"rank": self.layout.rank, "rng": self.plat.rng_state()}
+        if self.rollout is not None:
+            state["prompt_stream"] = self.rollout.position()
+        return state
+
+    def send_rank_state(self) -> None:
+        """A rollout rank, when a version is checkpointed: its rank state to the lead."""
+        with phase("checkpoint"):
+            gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync, self.plat.device)
+
+    def save_learner_shard(self, version: int) -> None:
+        """A learner other than the lead: its optimizer shard, written beside training."""
+        self.learner.save_shard_in_background(tmp_dir(self.root, version), self.rank_state())
+
+    def save(self, version: int, collected: Optional[tuple[Any, dict[str, Any]]]) -> float:
+        """The lead: take checkpoint ``version`` (``collected``: the next step's batch and row when
+        rollout ran ahead); returns the seconds the run waited."""
+        start = time.perf_counter()
+        states = []
+        if self.layout.world_size > 1:
+            with phase("checkpoint"):  # the lead's own entry comes with the learners'
+                states = gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync,
+                                     self.plat.device)[:-1]
+        staged, learner_states = self.learner.stage_checkpoint(self.rank_state())
+        learner = self.learner
+        state = {"step": version, "weight_version": version, "generated_through_step": version + (collected is not None),
+                 "collected_ahead_row": collected[1] if collected is not None else None, **learner.counters(),
+                 "kl_coef": learner.kl_coef_at(version), "lr": learner.lr_at(learner.optimizer_steps),
+                 "group_size": self.cfg.rollout.sample_num, **self.report.state(), "fingerprint": self.fingerprint,
+                 "config": self.cfg.flat()}
+        # Serialised now: the trainer goes on changing its state while the writer runs. The model
+        # holds tensors that the next update replaces rather than modifies.
+        texts = {"rank_states.json": json_text({str(s["rank"]): s for s in states + learner_states}),
+                 "trainer_state.json": json_text(state),
+                 "metrics.csv": (self.out_dir / "metrics.csv").read_text()}
+        model, buffers = self.learner.export_model(), self.sampler.buffers(collected)
+
+        def contents(folder: Path) -> None:
+            self.learner.write_optimizer_shard(folder, staged)
+            model.save_pretrained(folder / "model", safe_serialization=True)
+            self.tokenizer.save_pretrained(folder / "model")
+            write_tensors(folder / "sample_buffer.safetensors", buffers)
+            for name, text in texts.items():
+                (folder / name).write_text(text)
+
+        self.learner.writer.start(f"save-{version}",
+                                  lambda: save_step(self.root, version, contents, keep_last=self.cfg.run.keep_last))
+        return time.perf_counter() - start
+
+    def restore(self, folder: Path, saved: dict[str, Any]) -> None:
+        """Everything but the weights (loaded with the models): optimizer, counters, sample buffer,
+        data position, metrics so far, and last this rank's random generators."""
+        if self.learner is not None:
+            self.learner.restore(folder, saved)
+        mine = read_json(folder / "rank_states.json")[str(self.layout.rank)]
+        if self.rollout is not None:
+            self.rollout.weight_version = saved["weight_version"]
+            self.rollout.prompts.seek(**mine["prompt_stream"])
+        if self.layout.is_lead:
+            self.sampler.restore(read_tensors(folder / "sample_buffer.safetensors"), saved["group_size"],
+                                 saved["collected_ahead_row"])
+            self.report.restore(saved)
+            shutil.copyfile(folder / "metrics.csv", self.out_dir / "metrics.csv")  # drops rows after the checkpoint
+        self.plat.set_rng_state(mine["rng"])
+
+
+# Settings that may change between a checkpoint and its resume without changing the results.
+RESUMABLE_CHANGES = ("max_steps", "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "log_every",
+                     "save_every", "keep_last", "dist_timeout_s")
+
+
+def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str, Any],
+                    warn: Callable[[str], None]) -> dict[str, Any]:
+    """The checkpoint's trainer state, if it was written by this model, tokenizer, layout and data;
+    ``warn`` hears of other changed settings (the run would not match an uninterrupted one)."""
+    saved = read_json(folder / "trainer_state.json")
+    for what in ("model", "tokenizer", "layout", "data"):
+        difference = first_difference(saved["fingerprint"][what], fingerprint[what])
+        if difference:
+            raise UserError(f"checkpoint {folder} does not match this run's {what}: {difference}")
+    changed = sorted(k for k, v in config.items() if k not in RESUMABLE_CHANGES and saved["config"].get(k, v) != v)
+    if changed:
+        warn(f"resuming with changed settings ({', '.join(changed)}): the run will not match an uninterrupted one")
+    return saved
+
+
+def prepare_output_dir(output_dir: Path, *, overwrite: bool, resuming: bool, create: bool) -> None:
+    """Refuse to overwrite checkpoints (every rank checks; only ``create`` changes anything)."""
+    root = output_dir / "checkpoints"
+    if (complete_steps(root) or incomplete_steps(root)) and not overwrite and not resuming:
+        raise UserError(f"output_dir {output_dir} already holds checkpoints; pass --resume_from_checkpoint auto to "
+                        f"continue or --overwrite_output_dir true to start over")
+    if not create:
+        return
+    if overwrite and not resuming:
+        for stale in (root, output_dir / "metrics.csv"):
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            elif stale.exists():
+                stale.unlink()
+    remove_partial_saves(root)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def find_resume_checkpoint(output_dir: Path, requested: Optional[str], *, restarted: bool,
+                           warn: Callable[[str], None], log: Callable[[str], None]) -> Optional[Path]:
+    """The step folder to continue from, or None for a fresh start.
+
+    After torchrun restarts a crashed job (``restarted``) the run continues from its own newest
+    checkpoint by itself, whatever it was told; until it has one, from what it was told (a PATH
+    into another run, say).
+    """
+    specs = (["auto"] if restarted else []) + ([requested] if requested else [])
+    root = output_dir / "checkpoints"
+    for spec in dict.fromkeys(specs):  # in order, without repeats
+        try:
+            folder = find_checkpoint(root, spec, warn)
+        except CheckpointError as error:
+            raise UserError(str(error)) from None
+        if folder is not None:
+            log(f"resuming from {folder}")
+            return folder
+    if specs:
+        log(f"no complete checkpoint in {root}: starting fresh")
+    return None
+

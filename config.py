@@ -20,7 +20,11 @@ from typing import Any, Literal, Optional
 import yaml
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """Bad input that ends the run with one line on stderr and exit status 2."""
+
+
+class ConfigError(UserError):
     """A user mistake in the configuration; the message is one line naming the key."""
 
 
@@ -378,3 +382,31 @@ class Derived:
             minibatch_sequences=per_rank_mb,
             optimizer_steps_per_step=sequences // (per_rank_mb * learners) * cfg.optim.ppo_epochs,
         )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which weight versions are validated and checkpointed, from the run settings and the step
+    a resumed run continues from (0 for a fresh start)."""
+
+    run: RunConfig
+    has_val_set: bool
+    resumed_from: int = 0
+
+    def validates(self, version: int) -> bool:
+        run = self.run
+        if not self.has_val_set:
+            return False
+        return version == 0 or (run.val_every > 0 and (version % run.val_every == 0 or version == run.max_steps))
+
+    def saves(self, version: int) -> bool:
+        """Whether this run writes checkpoint ``version`` (a resumed run has its first one already)."""
+        every = self.run.save_every
+        return version > self.resumed_from and bool(every) and (version % every == 0 or
+                                                                 version == self.run.max_steps)
+
+    def collects_past_the_end(self) -> bool:
+        """With rollout ahead, the final checkpoint holds the next step's batch like every other
+        one, so a finished run extended with a larger max_steps continues exactly."""
+        return self.run.max_staleness > 0 and self.saves(self.run.max_steps)
+

@@ -4,10 +4,9 @@ What this file owns
 - `load_prompts`: a JSONL / JSON / Parquet file of rows -> system + user prompts rendered with
   the policy's chat template and tokenized (article 3.3: the response is left empty, the policy
   writes it during training).
-- `bucketed_batches` / `bucket_bound`: length buckets for generation, so the rollout pads each
-  batch to one of a few fixed widths instead of to whatever its longest prompt happens to be.
 - `python data_prep.py stats`: prompt-length percentiles, a proposed bucket size and the
-  padding it costs (article 3.3: "measure the lengths first, then cut into buckets").
+  padding it costs (article 3.3: "measure the lengths first, then cut into buckets"); the
+  bucket arithmetic itself is in buckets.py, shared with the rollout.
 - `python data_prep.py reward-check`: the reward distribution over a dataset before training
   (article 5.4: a reward with almost no spread gives the policy nothing to learn from).
 - `python data_prep.py demo`: the offline demo assets (tiny Qwen3-MoE, tokenizer, task data).
@@ -37,6 +36,7 @@ stopped as soon as greedy answers depend on the operands and a few are right; se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,9 +46,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
+
+from buckets import (MAX_BUCKET_PADDING, batch_max_widths, bucket_bound, bucketed_batches, padding_fraction,
+                     propose_bucket_size)
+from config import Config, UserError
 
 
 class DataError(ValueError):
@@ -283,87 +287,33 @@ def load_prompts(path: str | os.PathLike, tokenizer, *, prompt_key: str = "promp
                           overlong_prompts=overlong_prompts, skip_bad_rows=skip_bad_rows)
 
 
-# ---------------------------------------------------------------------------------------------
-# Length buckets
+def load_run_inputs(cfg: Config, warn: Callable[[str], None]) -> tuple[Any, PromptSet, Optional[PromptSet]]:
+    """A training run's tokenizer, training prompts and validation prompts (None without a
+    val_dataset); bad input raises UserError with one line, before any model is loaded."""
+    from transformers import AutoTokenizer
 
-
-def bucket_bound(length: int, bucket_size: int) -> int:
-    """The width a prompt of this length is padded to: the next multiple of bucket_size."""
-    if bucket_size < 1:
-        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
-    return math.ceil(length / bucket_size) * bucket_size
-
-
-def bucketed_batches(prompt_lengths: Sequence[int], batch_size: int, bucket_size: int, *,
-                     seed: int, epoch: int = 0) -> list[list[int]]:
-    """Generation batches of prompt indices, each batch drawn from a single length bucket.
-
-    Bucket of a prompt: ceil(length / bucket_size). Indices are shuffled within each bucket,
-    cut into batches of batch_size (the last batch of a bucket may be shorter), and the batches
-    of all buckets shuffled together. Every index appears exactly once. The order depends only
-    on (seed, epoch), through a local RNG: the global random state is neither read nor moved.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if bucket_size < 1:
-        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
-    if any(length < 0 for length in prompt_lengths):
-        raise ValueError("prompt lengths must be >= 0")
-    rng = random.Random(f"bucketed_batches:{seed}:{epoch}")
-    buckets: dict[int, list[int]] = {}
-    for index, length in enumerate(prompt_lengths):
-        buckets.setdefault(math.ceil(length / bucket_size), []).append(index)
-    batches: list[list[int]] = []
-    for bucket in sorted(buckets):
-        members = buckets[bucket]
-        rng.shuffle(members)
-        batches.extend(members[start:start + batch_size] for start in range(0, len(members), batch_size))
-    rng.shuffle(batches)
-    return batches
-
-
-def batch_max_widths(prompt_lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> list[int]:
-    """Per prompt, the width it is padded to when its batch pads to the batch's longest prompt."""
-    widths = [0] * len(prompt_lengths)
-    for batch in batches:
-        width = max(prompt_lengths[i] for i in batch)
-        for i in batch:
-            widths[i] = width
-    return widths
-
-
-def padding_fraction(prompt_lengths: Sequence[int], padded_widths: Sequence[int]) -> float:
-    """Padding tokens / all tokens (real + padding) once prompt i is padded to padded_widths[i]."""
-    total = sum(padded_widths)
-    return (total - sum(prompt_lengths)) / total if total else 0.0
-
-
-MAX_BUCKET_PADDING = 0.25
-MIN_BUCKET_SIZE = 8
-
-
-def propose_bucket_size(prompt_lengths: Sequence[int], max_padding: float = MAX_BUCKET_PADDING) -> int:
-    """The largest power of two, from 8 up to the first power of two >= the median length, whose
-    buckets pad at most max_padding of the tokens; the smallest candidate if none does.
-
-    Larger buckets mean fewer distinct shapes for the accelerator (the article's point: NPUs
-    handle a few static shapes far better than many ragged ones); the padding budget keeps the
-    wasted compute bounded. Capping at the median's power of two reproduces the article's
-    choice of 1024 for prompts averaging 800 tokens when lengths are concentrated near the mean.
-    Padding under bucketing does not depend on how batches are drawn: every prompt pads to its
-    own bucket's bound.
-    """
-    if not prompt_lengths:
-        raise ValueError("no prompt lengths")
-    median = float(np.median(prompt_lengths))
-    candidates = [MIN_BUCKET_SIZE]
-    while candidates[-1] < median:
-        candidates.append(candidates[-1] * 2)
-    for bucket_size in reversed(candidates):
-        widths = [bucket_bound(length, bucket_size) for length in prompt_lengths]
-        if padding_fraction(prompt_lengths, widths) <= max_padding:
-            return bucket_size
-    return candidates[0]
+    model_path = Path(cfg.model.model_path)
+    if not (model_path / "config.json").is_file():
+        raise UserError(f"model_path {model_path}: no config.json (expected a Hugging Face model folder)")
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    data = cfg.data
+    options = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, system_prompt=data.system_prompt,
+                   max_prompt_length=data.max_prompt_length, overlong_prompts=data.overlong_prompts,
+                   skip_bad_rows=data.skip_bad_rows)
+    try:
+        train_set = load_prompts(data.dataset, tokenizer, **options)
+        val_set = load_prompts(data.val_dataset, tokenizer, **options) if data.val_dataset else None
+    except DataError as e:
+        raise UserError(str(e)) from None
+    for name, prompts in (("dataset", train_set), ("val_dataset", val_set)):
+        if prompts is not None and (prompts.num_bad_rows or prompts.num_overlong_dropped or prompts.num_truncated):
+            warn(f"{name}: skipped {prompts.num_bad_rows} bad rows, dropped {prompts.num_overlong_dropped} "
+                 f"and left-truncated {prompts.num_truncated} prompts longer than max_prompt_length")
+    if not train_set.prompt_ids:
+        raise UserError(f"dataset {data.dataset}: no usable prompts")
+    return tokenizer, train_set, val_set
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,6 +556,7 @@ WARM_START_BATCH = 32
 WARM_START_MAX_STEPS = 300
 WARM_START_TARGET_ACCURACY = 0.15
 WARM_START_MIN_DISTINCT = 8
+WARM_START_EVAL_BATCH = 64  # prompts per generation batch when greedy_accuracy measures the warm start
 
 
 def demo_problems() -> list[dict[str, str]]:
@@ -654,7 +605,8 @@ def greedy_accuracy(model, tokenizer, prompts: PromptSet) -> tuple[float, int]:
     number of distinct greedy responses)."""
     answer_ids = [tokenizer(answer, add_special_tokens=False)["input_ids"] for answer in prompts.answers]
     generated = generate_responses(model, tokenizer, prompts.prompt_ids,
-                                   max_new_tokens=max(len(ids) for ids in answer_ids) + 1, do_sample=False)
+                                   max_new_tokens=max(len(ids) for ids in answer_ids) + 1, do_sample=False,
+                                   batch_size=WARM_START_EVAL_BATCH)
     correct = sum(stopped and ids == answer for (ids, stopped), answer in zip(generated, answer_ids))
     return correct / len(generated), len({tuple(ids) for ids, _ in generated})
 
@@ -724,10 +676,28 @@ def _install(staging: Path, out_dir: Path, names: Sequence[str]) -> None:
         os.replace(built, target)
 
 
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Run the block with torch on one intra-op thread, then give back the caller's count.
+
+    Kernels split their reductions across threads, which changes the order of float additions:
+    the warm start then stopped at step 85 with one thread and at 96 with two.
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
     """Write OUT/model (tiny Qwen3-MoE + tokenizer), OUT/train.jsonl, OUT/val.jsonl and
-    OUT/demo_info.json; returns the info. Deterministic from the seed: two builds on the same
-    machine and thread count give bit-identical weights. The caller's RNG state is untouched.
+    OUT/demo_info.json; returns the info. Deterministic from the seed: the model is built and
+    warm-started on one intra-op thread, so two builds on the same machine give bit-identical
+    weights whatever OMP_NUM_THREADS says. The caller's RNG state and thread count are untouched.
     """
     import torch
 
@@ -743,7 +713,7 @@ def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, An
         _write_jsonl(staging / "train.jsonl", train_rows)
         _write_jsonl(staging / "val.jsonl", problems)
         tokenizer = build_demo_tokenizer()
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), one_intra_op_thread():
             torch.manual_seed(seed)
             model = build_demo_model(tokenizer)
             info = warm_start(model, tokenizer, load_prompts(staging / "val.jsonl", tokenizer), seed=seed)

@@ -106,6 +106,14 @@ def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
     return Platform("cpu", "gloo", local_rank)
 
 
+def step_generator(seed: int, *keys: int) -> torch.Generator:
+    """A generator that depends only on (seed, keys): the same draw on every run and resume."""
+    mixed = seed
+    for key in keys:
+        mixed = (mixed * 1_000_003 + key + 1) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +26,18 @@ COLUMNS = [
 ]
 # Columns that measure wall time and so differ between otherwise identical runs.
 TIMING_COLUMNS = frozenset(c for c in COLUMNS if c.endswith("_s") or c in ("overlap", "gen_tokens_per_s"))
+
+
+def log(message: str) -> None:
+    # One write per line: print() writes the text and the newline separately, and the lines of
+    # eight ranks sharing one pipe would interleave.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def warn(message: str) -> None:
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
 
 
 def _format(value: Any) -> str:
@@ -129,3 +142,47 @@ class AlarmMonitor:
         for key, _ in fired:
             self.counts[key] += 1
         return [message for _, message in fired]
+
+
+class StepReporter:
+    """What the lead learner shows the user each step: the metrics.csv row, the console line,
+    and the alarms (printed when they fire, counted in the row)."""
+
+    def __init__(self, path: Path, *, log_every: int, max_steps: int, length_alarm_steps: int,
+                 overfit_alarm_checks: int, append: bool) -> None:
+        self.log_every, self.max_steps = log_every, max_steps
+        self.alarms = AlarmMonitor(length_rising_steps=length_alarm_steps, overfit_checks=overfit_alarm_checks)
+        # A fresh start begins a new metrics.csv; a resumed one continues the checkpoint's copy.
+        self.metrics = MetricsWriter(path, append=append)
+        self.train_rewards_since_val: list[float] = []
+
+    def observe_step(self, step: int, row: dict[str, Any]) -> None:
+        for message in self.alarms.observe_step(kl=row.get("kl"), length=row["response_length_mean"],
+                                                reward_std=row["reward_std"]):
+            warn(f"ALARM step {step}: {message}")
+        self.train_rewards_since_val.append(row["reward_mean"])
+
+    def observe_validation(self, row: dict[str, Any], *, val_reward: float, val_acc: Optional[float]) -> None:
+        row.update(val_reward_mean=val_reward, val_acc=val_acc)
+        if self.train_rewards_since_val:
+            train_reward = sum(self.train_rewards_since_val) / len(self.train_rewards_since_val)
+            for message in self.alarms.observe_validation(val_reward=val_reward, train_reward=train_reward):
+                warn(f"ALARM step {row['step']}: {message}")
+        self.train_rewards_since_val = []
+
+    def write(self, row: dict[str, Any]) -> None:
+        if row["step"] > 0:
+            row.update(self.alarms.counts)
+        self.metrics.write(row)
+        step = row["step"]
+        if step == 0 or step % self.log_every == 0 or step == self.max_steps:
+            log(console_line(row))
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this (metrics.csv itself is copied whole)."""
+        return {"alarms": self.alarms.history(), "train_rewards_since_val": list(self.train_rewards_since_val)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.alarms.restore(state["alarms"])
+        self.train_rewards_since_val = state["train_rewards_since_val"]
+

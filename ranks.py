@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from rollout import SampleBatch
+from samples import SampleBatch
 
 NEXT, MORE = 0, 1  # the lead learner's answer after each generation batch
 
@@ -175,7 +175,7 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
     table = torch.stack(headers[:-1]).cpu()  # the lead's own header (last in the group) is padding
     max_rows, max_p, max_r = (int(table[:, i].max()) for i in range(3))
     if batch is None:
-        batch = _empty_batch(group_size)
+        batch = SampleBatch.empty(group_size)
     longs, floats = (t.to(device) for t in pack(batch, max_p, max_r, max_rows))
     long_list = [torch.zeros_like(longs) for _ in headers] if layout.is_lead else None
     float_list = [torch.zeros_like(floats) for _ in headers] if layout.is_lead else None
@@ -186,15 +186,6 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
     batches = [unpack(long_list[r], float_list[r], int(table[r, 0]), max_p, max_r, group_size)
                for r in range(layout.num_rollout) if int(table[r, 0])]
     return batches, table[:, 3:]
-
-
-def _empty_batch(group_size: int) -> SampleBatch:
-    empty = torch.zeros(0, 0)
-    return SampleBatch(prompt_ids=empty.long(), prompt_mask=empty.bool(), response_ids=empty.long(),
-                       response_mask=empty.bool(), rollout_logp=empty, reward=torch.zeros(0), score=torch.zeros(0),
-                       correct=torch.zeros(0, dtype=torch.bool), truncated=torch.zeros(0, dtype=torch.bool),
-                       prompt_index=torch.zeros(0, dtype=torch.long), version=torch.zeros(0, dtype=torch.long),
-                       group_size=group_size)
 
 
 def broadcast_flag(value: int, src: int, group: dist.ProcessGroup, device: torch.device) -> int:

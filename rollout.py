@@ -1,4 +1,6 @@
-"""Rollout: batched generation with the KV cache, reward scoring, and DAPO dynamic sampling.
+"""The rollout side: batched generation with the KV cache, reward scoring, the prompt stream,
+validation, taking new weights, and DAPO dynamic sampling (on the lead learner, over every
+rollout rank's samples).
 
 Everything random here draws from an explicit ``torch.Generator`` seeded from (seed, step,
 batch), never from the global RNG, so the samples of a step depend only on the weights and the
@@ -8,91 +10,24 @@ from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass, fields, replace
-from typing import Callable, Optional, Sequence
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 import dapo_loss
+from buckets import bucket_bound, bucketed_batches
+from config import Config, RolloutConfig, UserError
+from device import Platform, step_generator
+from ranks import Layout, WeightBroadcast, phase
 from rewards import Scored
+from samples import SampleBatch
 
 try:  # a progress bar is a nicety, not a dependency of the math
     from tqdm import tqdm
 except ImportError:  # pragma: no cover
     tqdm = None
-
-
-@dataclass
-class SampleBatch:
-    """Responses as tensors, group-contiguous: rows g*G .. g*G+G-1 answer the same prompt.
-
-    Prompts are left-padded to a common width, responses right-padded; the masks mark real
-    tokens (the response mask includes the stop token that ended the response).
-    """
-
-    prompt_ids: torch.Tensor  # [N, P] long
-    prompt_mask: torch.Tensor  # [N, P] bool
-    response_ids: torch.Tensor  # [N, R] long
-    response_mask: torch.Tensor  # [N, R] bool
-    rollout_logp: torch.Tensor  # [N, R] float32: the generating engine's own log-probs
-    reward: torch.Tensor  # [N] float32, the score plus overlong shaping
-    score: torch.Tensor  # [N] float32, the reward function's raw score
-    correct: torch.Tensor  # [N] bool (all False where the reward has no notion of correct)
-    truncated: torch.Tensor  # [N] bool: hit max_response_length without a stop token
-    prompt_index: torch.Tensor  # [N] long: dataset row of the prompt
-    version: torch.Tensor  # [N] long: weight version that generated the response
-    group_size: int
-
-    @property
-    def num_groups(self) -> int:
-        return self.prompt_ids.shape[0] // self.group_size
-
-    @property
-    def response_lengths(self) -> torch.Tensor:
-        return self.response_mask.sum(-1)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
-
-    def named_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """The tensors under ``prefix.NAME`` keys, for a safetensors file holding several batches."""
-        return {f"{prefix}.{name}": tensor for name, tensor in self.tensors().items()}
-
-    @staticmethod
-    def from_named_tensors(tensors: dict[str, torch.Tensor], prefix: str, group_size: int) -> Optional["SampleBatch"]:
-        """The batch :meth:`named_tensors` stored under ``prefix``, or None when there is none."""
-        mine = {key[len(prefix) + 1:]: value for key, value in tensors.items() if key.startswith(f"{prefix}.")}
-        return SampleBatch(**mine, group_size=group_size) if mine else None
-
-    def select_groups(self, groups: Sequence[int]) -> "SampleBatch":
-        g = self.group_size
-        rows = torch.tensor([r for grp in groups for r in range(grp * g, grp * g + g)], dtype=torch.long)
-        return self.select_rows(rows)
-
-    def select_rows(self, rows: torch.Tensor) -> "SampleBatch":
-        return replace(self, **{k: v[rows] for k, v in self.tensors().items()})
-
-    def widen(self, width_p: int, width_r: int) -> "SampleBatch":
-        """The same samples padded to wider prompts (on the left) and responses (on the right)."""
-        grow_p, grow_r = width_p - self.prompt_ids.shape[1], width_r - self.response_ids.shape[1]
-        return replace(
-            self,
-            prompt_ids=F.pad(self.prompt_ids, (grow_p, 0), value=0),
-            prompt_mask=F.pad(self.prompt_mask, (grow_p, 0), value=False),
-            response_ids=F.pad(self.response_ids, (0, grow_r), value=0),
-            response_mask=F.pad(self.response_mask, (0, grow_r), value=False),
-            rollout_logp=F.pad(self.rollout_logp, (0, grow_r), value=0.0),
-        )
-
-    @staticmethod
-    def concat(batches: Sequence["SampleBatch"]) -> "SampleBatch":
-        """Concatenate batches whose widths differ: prompts pad on the left, responses on the right."""
-        width_p = max(b.prompt_ids.shape[1] for b in batches)
-        width_r = max(b.response_ids.shape[1] for b in batches)
-        widened = [b.widen(width_p, width_r) for b in batches]
-        first = widened[0]
-        return replace(first, **{k: torch.cat([getattr(b, k) for b in widened]) for k in first.tensors()})
 
 
 @dataclass(frozen=True)
@@ -117,6 +52,14 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def _choose_token(logits: torch.Tensor, *, greedy: bool, top_p: float,
+                  generator: Optional[torch.Generator]) -> torch.Tensor:
+    if greedy:
+        return logits.argmax(-1)
+    probs = _top_p_filter(logits, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,11 +111,7 @@ def generate(
                     use_cache=True, logits_to_keep=1, **{cache_key: cache})
         logits = out.logits[:, -1, :].float() / temperature
         logp_all = logits.log_softmax(-1)
-        if greedy:
-            token = logits.argmax(-1)
-        else:
-            probs = _top_p_filter(logits, top_p).softmax(-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = _choose_token(logits, greedy=greedy, top_p=top_p, generator=generator)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
         logps.append(logp_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0))
@@ -183,13 +122,8 @@ def generate(
         next_input = token[:, None]
         attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=-1)
         positions = positions[:, -1:] + 1
-    response_mask = torch.stack(masks, dim=1)
-    return Generation(
-        response_ids=torch.stack(tokens, dim=1),
-        response_mask=response_mask,
-        logp=torch.stack(logps, dim=1),
-        truncated=~finished,
-    )
+    return Generation(response_ids=torch.stack(tokens, dim=1), response_mask=torch.stack(masks, dim=1),
+                      logp=torch.stack(logps, dim=1), truncated=~finished)
 
 
 @dataclass(frozen=True)
@@ -273,8 +207,6 @@ class RolloutWorker:
                 answers: Sequence[Optional[str]], prompt_index: Sequence[int], *, group_size: int,
                 version: int, generator: Optional[torch.Generator], greedy: bool = False) -> tuple[SampleBatch, Scored]:
         """Generate ``group_size`` responses for each prompt and score them."""
-        from data_prep import bucket_bound
-
         repeat = lambda seq: [item for item in seq for _ in range(group_size)]  # noqa: E731
         rows = repeat(prompt_ids)
         # Pad to the bucket's bound, not the batch's own maximum, so generation sees few distinct
@@ -311,3 +243,182 @@ class RolloutWorker:
             kept = [t for t, m in zip(ids, mask) if m and t not in self.stop_ids]
             texts.append(self.tokenizer.decode(kept, skip_special_tokens=True))
         return texts
+
+
+class PromptStream:
+    """Batches of prompt rows in length-bucketed, seeded order, epoch after epoch.
+
+    Its position (epoch, batch) is all a resume needs to continue without replaying prompts.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, bucket_size: int, seed: int) -> None:
+        self.lengths, self.batch_size, self.bucket_size, self.seed = lengths, batch_size, bucket_size, seed
+        self.epoch, self.cursor = 0, 0
+        self._batches = self._plan()
+
+    def _plan(self) -> list[list[int]]:
+        return bucketed_batches(self.lengths, self.batch_size, self.bucket_size, seed=self.seed, epoch=self.epoch)
+
+    def seek(self, epoch: int, cursor: int) -> None:
+        self.epoch, self.cursor = epoch, cursor
+        self._batches = self._plan()
+
+    def next(self) -> list[int]:
+        if self.cursor == len(self._batches):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._batches = self._plan()
+        batch = self._batches[self.cursor]
+        self.cursor += 1
+        return batch
+
+
+class Rollout:
+    """The rollout side of a run: a rollout rank, or the rollout half of a one-process run.
+
+    It holds the rollout copy of the policy and the weight version it carries, generates this
+    rank's share of every generation batch, and validates its share of the val set.
+    """
+
+    def __init__(self, cfg: Config, plat: Platform, layout: Layout, model: torch.nn.Module, tokenizer,
+                 train_set, val_set, val_batch_size: int) -> None:
+        self.cfg, self.plat, self.train_set, self.val_set = cfg, plat, train_set, val_set
+        self.model = model.eval().requires_grad_(False)
+        self.model.config.use_cache = True
+        single = layout.world_size == 1
+        self.shard_index, self.num_shards = (0, 1) if single else (layout.rollout_index, layout.num_rollout)
+        self.val_batch_size = max(1, val_batch_size)
+        self.weight_version = 0
+        self.worker = RolloutWorker(
+            self.model, tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device),
+            device=plat.device, stop_ids=sorted({tokenizer.eos_token_id, *cfg.model.eos_token_ids}),
+            max_response_length=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, overlong_buffer_len=cfg.algo.overlong_buffer_len,
+            overlong_penalty_factor=cfg.algo.overlong_penalty_factor, bucket_size=cfg.data.bucket_size)
+        self.prompts = PromptStream([len(p) for p in train_set.prompt_ids], cfg.rollout.prompts_per_step,
+                                    cfg.data.bucket_size, cfg.run.seed)
+
+    def generate_shard(self, step: int, gen_index: int) -> tuple[Optional[SampleBatch], int, float]:
+        """This rank's share of the next generation batch: (samples or None, malformed count, seconds)."""
+        start = time.perf_counter()
+        mine = self.prompts.next()[self.shard_index::self.num_shards]
+        if not mine:
+            return None, 0, time.perf_counter() - start
+        data = self.train_set
+        batch, scored = self.worker.rollout(
+            [data.prompt_ids[r] for r in mine], [data.prompt_texts[r] for r in mine], [data.answers[r] for r in mine],
+            mine, group_size=self.cfg.rollout.sample_num, version=self.weight_version,
+            generator=step_generator(self.cfg.run.seed, step, gen_index, self.shard_index))
+        self.plat.release_cache()
+        return batch, scored.num_malformed, time.perf_counter() - start
+
+    @torch.no_grad()
+    def validation_sums(self) -> list[float]:
+        """[reward sum, correct count, prompts] over this rank's share of the val set (greedy unless
+        val_temperature > 0)."""
+        val = self.val_set
+        limit = self.cfg.rollout.val_max_prompts or len(val.prompt_ids)
+        mine = list(range(limit))[self.shard_index::self.num_shards]
+        sums = [0.0, 0.0, 0.0]
+        for start in range(0, len(mine), self.val_batch_size):
+            rows = mine[start:start + self.val_batch_size]
+            batch, _ = self.worker.rollout(
+                [val.prompt_ids[r] for r in rows], [val.prompt_texts[r] for r in rows], [val.answers[r] for r in rows],
+                rows, group_size=1, version=self.weight_version, greedy=self.cfg.rollout.val_temperature == 0,
+                generator=step_generator(self.cfg.run.seed, -1, self.weight_version, start))
+            sums = [sums[0] + batch.reward.sum().item(), sums[1] + batch.correct.sum().item(), sums[2] + len(rows)]
+        return sums
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Sequence[torch.Tensor], version: int) -> None:
+        """One process: copy the learner's weights into the rollout copy."""
+        for dst, src in zip(self.model.parameters(), tensors):
+            dst.copy_(src)
+        self.weight_version = version
+
+    def receive_weights(self, weights: WeightBroadcast) -> int:
+        """A rollout rank: the next weight version from the lead learner, by broadcast."""
+        with phase("weight sync"):
+            version = weights.receive_into(list(self.model.parameters()))
+        assert version == self.weight_version + 1, f"weights arrived out of order: v{version} after v{self.weight_version}"
+        self.weight_version = version
+        return version
+
+    def position(self) -> dict[str, int]:
+        """Where this rank is in the prompt stream (saved in every checkpoint)."""
+        return {"epoch": self.prompts.epoch, "cursor": self.prompts.cursor}
+
+
+Generated = tuple[list[SampleBatch], int, float]  # (batches, malformed responses, generation seconds)
+
+
+class DynamicSampler:
+    """The lead learner's side of DAPO dynamic sampling (REFERENCE.md §3): generation batches are
+    pooled until ``prompts_per_step`` informative groups are in; surplus groups wait for the next
+    step. Every sample not yet trained on lives here, so a checkpoint saves it from here."""
+
+    def __init__(self, cfg: RolloutConfig, reports_acc: bool) -> None:
+        self.cfg, self.reports_acc = cfg, reports_acc
+        self.pool = GroupPool()
+        self.collected_ahead: Optional[tuple[SampleBatch, dict[str, Any]]] = None  # restored from a checkpoint
+
+    def collect(self, step: int, next_generation: Callable[[int], Generated],
+                answer: Callable[[bool], None]) -> tuple[SampleBatch, dict[str, Any]]:
+        """The step's batch and its generation statistics. ``next_generation(k)`` brings generation
+        batch k of the step; ``answer(full)`` tells the rollout side "next" (full) or "more"."""
+        if self.collected_ahead is not None:  # collected before the checkpoint this run resumed from
+            collected, self.collected_ahead = self.collected_ahead, None
+            return collected
+        cfg, target = self.cfg, self.cfg.prompts_per_step
+        carried, generated = self.pool.num_groups, []
+        malformed, gen_time, gen_batches = 0, 0.0, 0
+        while True:
+            gen_batches += 1
+            pieces, bad, seconds = next_generation(gen_batches)
+            malformed, gen_time = malformed + bad, gen_time + seconds
+            for batch in pieces:
+                generated.append(batch)
+                self.pool.add(batch.select_groups(keep_informative(batch, cfg.dynamic_sampling_metric))
+                              if cfg.dynamic_sampling else batch)
+            full = self.pool.num_groups >= target
+            if not full and cfg.max_gen_batches and gen_batches >= cfg.max_gen_batches:
+                raise UserError(
+                    f"step {step}: only {self.pool.num_groups} of {target} groups were informative after "
+                    f"{gen_batches} generation batches (max_gen_batches): every response to the other prompts got "
+                    f"the same reward, so the data is too easy or too hard for the current policy")
+            answer(full)
+            if full:
+                break
+        stats = self.generation_stats(generated, malformed=malformed, gen_time=gen_time)
+        stats.update(num_gen_batches=gen_batches, carried_groups=carried)
+        return self.pool.take(target), stats
+
+    def generation_stats(self, generated: list[SampleBatch], *, malformed: int, gen_time: float) -> dict[str, Any]:
+        """What was sampled, before the dynamic-sampling filter."""
+        everything = SampleBatch.concat(generated)
+        informative = sum(len(keep_informative(b, self.cfg.dynamic_sampling_metric)) for b in generated)
+        return {
+            "informative_frac": informative / everything.num_groups,
+            "reward_malformed": malformed,
+            "reward_mean": everything.reward.mean().item(),
+            "reward_std": everything.reward.std().item() if everything.reward.numel() > 1 else 0.0,
+            "score_mean": everything.score.mean().item(),
+            "acc_mean": everything.correct.float().mean().item() if self.reports_acc else None,
+            "response_length_mean": everything.response_lengths.float().mean().item(),
+            "response_length_max": int(everything.response_lengths.max()),
+            "truncated_frac": everything.truncated.float().mean().item(),
+            "gen_time_s": gen_time,
+            "gen_tokens_per_s": int(everything.response_lengths.sum()) / max(gen_time, 1e-9),
+        }
+
+    def buffers(self, collected: Optional[tuple[SampleBatch, dict[str, Any]]]) -> dict[str, torch.Tensor]:
+        """The samples a checkpoint keeps: surplus groups, and the next step's batch when rollout ran ahead."""
+        buffers = self.pool.pending.named_tensors("pool") if self.pool.pending else {}
+        if collected is not None:
+            buffers.update(collected[0].named_tensors("ahead"))
+        return buffers
+
+    def restore(self, buffers: dict[str, torch.Tensor], group_size: int, ahead_row: Optional[dict[str, Any]]) -> None:
+        self.pool.pending = SampleBatch.from_named_tensors(buffers, "pool", group_size)
+        if ahead_row is not None:
+            self.collected_ahead = (SampleBatch.from_named_tensors(buffers, "ahead", group_size), ahead_row)
+

@@ -248,16 +248,20 @@ def test_alarm_history_and_sample_buffers_survive_the_checkpoint_formats(tmp_pat
     assert type(batch).from_named_tensors(stored, "ahead", group_size=2) is None
 
 
-def test_a_restarted_job_prefers_its_own_newest_checkpoint(demo_argv, tmp_path, monkeypatch):
+def test_a_restarted_job_prefers_its_own_newest_checkpoint(demo_argv, tmp_path):
     other_run = tmp_path / "other" / "checkpoints"
     ckpt.save_step(other_run, 7, fill, keep_last=3)
     out = tmp_path / "run"
     cfg = load_config(demo_argv + ["--output_dir", str(out), "--resume_from_checkpoint",
                                    str(other_run / ckpt.step_dir_name(7))])
-    assert train_dapo.find_resume_checkpoint(cfg, lead=False) == other_run / ckpt.step_dir_name(7)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert train_dapo.find_resume_checkpoint(cfg, lead=False) == other_run / ckpt.step_dir_name(7)  # none of its own
+    def resume_folder(cfg, restarted: bool):
+        return ckpt.find_resume_checkpoint(Path(cfg.run.output_dir), cfg.run.resume_from_checkpoint,
+                                           restarted=restarted, warn=print, log=print)
+
+    assert resume_folder(cfg, restarted=False) == other_run / ckpt.step_dir_name(7)
+    assert resume_folder(cfg, restarted=True) == other_run / ckpt.step_dir_name(7)  # none of its own
     ckpt.save_step(out / "checkpoints", 9, fill, keep_last=3)
-    assert train_dapo.find_resume_checkpoint(cfg, lead=False) == out / "checkpoints" / ckpt.step_dir_name(9)
+    assert resume_folder(cfg, restarted=False) == other_run / ckpt.step_dir_name(7)  # as told
+    assert resume_folder(cfg, restarted=True) == out / "checkpoints" / ckpt.step_dir_name(9)
     fresh = load_config(demo_argv + ["--output_dir", str(tmp_path / "fresh")])
-    assert train_dapo.find_resume_checkpoint(fresh, lead=False) is None
+    assert resume_folder(fresh, restarted=True) is None

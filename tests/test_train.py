@@ -1,6 +1,10 @@
 """The one-process DAPO loop end to end: a real step, overrides, alarms, skipped steps, determinism."""
 import csv
+import hashlib
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,9 @@ import train_dapo
 from config import Derived, load_config
 from device import select_platform
 from metrics import TIMING_COLUMNS, AlarmMonitor
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, str]]:
@@ -25,7 +32,8 @@ def make_trainer(argv, cls=train_dapo.Trainer):
 
 def test_one_full_step_trains_and_writes_everything(demo_argv, tmp_path):
     trainer = make_trainer(demo_argv + ["--max_steps", "2"])
-    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    policy = trainer.learner.policy
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
     trainer.train()
     out = tmp_path / "run"
     rows = read_metrics(out)
@@ -35,13 +43,12 @@ def test_one_full_step_trains_and_writes_everything(demo_argv, tmp_path):
         assert math.isfinite(float(row["policy_loss"])) and float(row["grad_norm"]) > 0
         assert int(row["optimizer_steps"]) == trainer.derived.optimizer_steps_per_step * int(row["step"])
         assert 0 <= float(row["acc_mean"]) <= 1 and int(row["num_gen_batches"]) >= 1
-    changed = [k for k, v in trainer.policy.state_dict().items() if not torch.equal(v, before[k])]
+    changed = [k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "no weight changed after two steps"
-    rollout = dict(trainer.rollout_model.state_dict())
-    assert all(torch.equal(rollout[k], v) for k, v in trainer.policy.state_dict().items()), "weights not synced"
+    rollout = dict(trainer.rollout.model.state_dict())
+    assert all(torch.equal(rollout[k], v) for k, v in policy.state_dict().items()), "weights not synced"
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    assert (out / "config.yaml").is_file() is False  # written by main(), not by the Trainer
 
 
 def test_main_writes_config_and_env_report_and_is_deterministic(demo_argv, tmp_path):
@@ -65,23 +72,30 @@ def test_existing_checkpoints_are_not_overwritten(demo_argv, tmp_path, capsys):
     assert (tmp_path / "run" / "metrics.csv").read_bytes() == before
 
 
-class DoubledAdvantages(train_dapo.Trainer):
-    calls = 0
+def readme_example() -> str:
+    """The subclassing example of README.md, as a user would copy it."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n# my_dapo.py") + len("```python\n")
+    return text[start:text.index("```", start)]
 
-    def compute_advantages(self, batch):
-        DoubledAdvantages.calls += 1
-        return 2 * super().compute_advantages(batch)
 
-
-def test_compute_advantages_override_takes_effect(demo_argv):
-    base = make_trainer(demo_argv + ["--max_steps", "1", "--save_every", "0", "--val_every", "0"])
-    batch, _ = base.collect(1)
-    default = base.compute_advantages(batch)
-    doubled = make_trainer(demo_argv + ["--max_steps", "1", "--save_every", "0", "--val_every", "0"],
-                           DoubledAdvantages)
-    assert torch.allclose(doubled.compute_advantages(batch), 2 * default)
-    doubled.train()
-    assert DoubledAdvantages.calls >= 2  # once here, once inside the training step
+def test_the_readme_override_example_trains_with_its_advantages(demo_argv, tmp_path):
+    """The README's Trainer subclass, run as a script: its advantages, not the default ones,
+    drive the update (the same step with the default Trainer gives other weights)."""
+    (tmp_path / "my_dapo.py").write_text(readme_example())
+    argv = demo_argv + ["--max_steps", "1", "--save_every", "1", "--val_every", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    runs = {}
+    for name, script in (("default", str(ROOT / "train_dapo.py")), ("override", str(tmp_path / "my_dapo.py"))):
+        proc = subprocess.run([sys.executable, script, *argv, "--output_dir", str(tmp_path / name)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[name] = read_metrics(tmp_path / name)[-1]
+        weights = tmp_path / name / "checkpoints" / "step_00000001" / "model" / "model.safetensors"
+        runs[name]["weights"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    default, override = runs["default"], runs["override"]
+    assert default["reward_mean"] == override["reward_mean"]  # the same samples ...
+    assert default["weights"] != override["weights"]  # ... trained on with other advantages
 
 
 def test_update_policy_override_receives_the_step(demo_argv, tmp_path):
@@ -99,28 +113,38 @@ def test_update_policy_override_receives_the_step(demo_argv, tmp_path):
 
 def test_non_finite_gradient_step_is_skipped_not_applied(demo_argv):
     trainer = make_trainer(demo_argv + ["--max_steps", "1"])
-    before = {k: v.clone() for k, v in trainer.policy.named_parameters()}
-    for p in trainer.policy.parameters():
+    learner = trainer.learner
+    before = {k: v.clone() for k, v in learner.policy.named_parameters()}
+    for p in learner.policy.parameters():
         p.grad = torch.full_like(p, float("nan"))
-    assert trainer.optimizer_step() == 0.0
-    assert trainer.skipped_steps == 1 and trainer.optimizer_steps == 0
-    assert all(torch.equal(p, before[k]) for k, p in trainer.policy.named_parameters())
-    assert all(p.grad is None for p in trainer.policy.parameters())
+    assert learner.optimizer_step(step=1) == 0.0
+    assert learner.skipped_steps == 1 and learner.optimizer_steps == 0
+    assert all(torch.equal(p, before[k]) for k, p in learner.policy.named_parameters())
+    assert all(p.grad is None for p in learner.policy.parameters())
 
 
 def test_lr_warmup_starts_non_zero_and_kl_schedule(demo_argv):
     trainer = make_trainer(demo_argv + ["--lr_warmup_steps", "4", "--learning_rate", "1e-4",
                                         "--kl_coef_init", "0.05", "--kl_warmup_steps", "3", "--kl_coef", "0.01"])
-    assert [trainer.lr_at(s) for s in range(5)] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4])
-    assert [trainer.kl_coef_at(s) for s in range(5)] == [0.05, 0.05, 0.05, 0.01, 0.01]
-    assert trainer.ref_model is not None
+    learner = trainer.learner
+    assert [learner.lr_at(s) for s in range(5)] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4])
+    assert [learner.kl_coef_at(s) for s in range(5)] == [0.05, 0.05, 0.05, 0.01, 0.01]
+    assert learner.ref_model is not None
 
 
-def test_kl_loss_runs_with_a_reference_model(demo_argv, tmp_path):
-    trainer = make_trainer(demo_argv + ["--max_steps", "1", "--kl_coef", "0.1", "--save_every", "0", "--val_every", "0"])
-    trainer.train()
-    row = read_metrics(tmp_path / "run")[-1]
-    assert float(row["kl"]) >= 0 and row["kl_coef"] == "0.1"
+def test_kl_loss_pulls_the_update_toward_the_reference_model(demo_argv, tmp_path):
+    """Six optimizer steps in one training step: the first sees policy == reference (KL 0), the
+    later ones a policy that moved, so the step's KL is positive and the update differs."""
+    weights = {}
+    for kl_coef in ("0.0", "1.0"):
+        argv = demo_argv + ["--max_steps", "1", "--kl_coef", kl_coef, "--save_every", "0", "--val_every", "0",
+                            "--output_dir", str(tmp_path / kl_coef)]
+        trainer = make_trainer(argv)
+        trainer.train()
+        weights[kl_coef] = [p.detach().clone() for p in trainer.learner.policy.parameters()]
+        row = read_metrics(tmp_path / kl_coef)[-1]
+    assert float(row["kl"]) > 0 and row["kl_coef"] == "1.0"
+    assert any(not torch.equal(a, b) for a, b in zip(weights["0.0"], weights["1.0"]))
 
 
 def test_alarm_rules_on_synthetic_sequences():
@@ -143,14 +167,14 @@ def test_bad_dataset_row_exits_2_with_one_line(demo_argv, tmp_path, capsys):
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
     assert train_dapo.main(demo_argv + ["--dataset", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "bad.jsonl" in err[0] and "2" in err[0]
+    assert len(err) == 1 and f"{bad}:2:" in err[0]
 
 
 def test_bf16_learner_with_gradient_checkpointing_trains(demo_argv, tmp_path):
     trainer = make_trainer(demo_argv + ["--max_steps", "1", "--learner_dtype", "bf16", "--rollout_dtype", "bf16",
                                         "--gradient_checkpointing", "true", "--save_every", "0", "--val_every", "0"])
-    assert trainer.rollout_model.dtype == torch.bfloat16
-    assert next(trainer.policy.parameters()).dtype == torch.float32  # fp32 master weights under bf16 autocast
+    assert trainer.rollout.model.dtype == torch.bfloat16
+    assert next(trainer.learner.policy.parameters()).dtype == torch.float32  # fp32 master weights under bf16 autocast
     trainer.train()
     row = read_metrics(tmp_path / "run")[-1]
     assert math.isfinite(float(row["policy_loss"])) and float(row["grad_norm"]) > 0

@@ -1,0 +1,298 @@
+"""The learner rank: the policy sharded with FSDP2, old log-probs, the DAPO update, the optimizer
+step, gathering the new weights, and the learner's part of every checkpoint.
+
+With several learner ranks each holds a shard of the parameters, gradients and AdamW state
+(ZeRO-3) and trains on an equal share of every mini-batch; the loss is normalised by the whole
+mini-batch's token (or sequence) count, so the update does not depend on the number of learners
+or micro-batches. The algorithm's math is in dapo_loss.py; this file only feeds it.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+import ckpt
+import dapo_loss
+from config import Config, Derived
+from device import Platform, step_generator
+from metrics import warn
+from ranks import Groups, Layout, all_reduce_max, all_reduce_sum, gather_json, phase
+from samples import SampleBatch
+
+# Summed over micro-batches and learners, then averaged over optimizer steps (metrics.csv).
+LOSS_METRICS = ("policy_loss", "kl", "entropy", "length_penalty", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+
+
+def uses_reference_model(cfg: Config) -> bool:
+    """Whether any step has a KL term, so the base model must be kept as the KL reference."""
+    return cfg.algo.kl_coef > 0 or (cfg.algo.kl_coef_init is not None and cfg.algo.kl_warmup_steps > 0
+                                    and cfg.algo.kl_coef_init > 0)
+
+
+class Learner:
+    """One learner rank (or the learner half of a one-process run)."""
+
+    def __init__(self, cfg: Config, plat: Platform, derived: Derived, layout: Layout, groups: Optional[Groups],
+                 weights_path: Path, base_path: Path) -> None:
+        self.cfg, self.plat, self.derived, self.layout, self.groups = cfg, plat, derived, layout, groups
+        torch.manual_seed(cfg.run.seed)
+        self.policy = load_model(weights_path, torch.float32, plat.device)
+        self.policy.config.use_cache = False
+        self.param_shapes = [p.shape for p in self.policy.parameters()]
+        if cfg.model.gradient_checkpointing:
+            # transformers renamed the switch; take whichever this version has.
+            enable = getattr(self.policy, "activation_checkpointing_enable", None) or \
+                self.policy.gradient_checkpointing_enable
+            enable()
+        # The policy continues from the checkpoint's weights; the KL reference stays the base model.
+        self.ref_model = None
+        if uses_reference_model(cfg):
+            self.ref_model = load_model(base_path, torch.float32, plat.device).eval().requires_grad_(False)
+        if layout.num_learners > 1:
+            self._shard_models()
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate,
+                                           betas=(0.9, 0.999), weight_decay=cfg.optim.weight_decay)
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self.writer = ckpt.BackgroundWriter()
+        self.optimizer_saver = ckpt.OptimizerSaver()
+        self.full_weights: list[torch.Tensor] = []  # the lead's host copy of the latest weights
+
+    def _shard_models(self) -> None:
+        """FSDP2 over the learner group: parameters, gradients and optimizer state split (ZeRO-3)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(self.groups.learners, self.plat.device.type)
+        for model in filter(None, (self.policy, self.ref_model)):
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+
+    def rollout_copy(self, dtype: torch.dtype) -> torch.nn.Module:
+        """An unsharded copy of the policy for a one-process run's rollout side."""
+        return copy.deepcopy(self.policy).to(dtype)
+
+    # ----- schedules and precision ---------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        # bf16 compute over fp32 master weights and optimizer state, as mixed-precision trainers do.
+        if self.cfg.model.learner_dtype == "bf16":
+            return torch.autocast(device_type=self.plat.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def kl_coef_at(self, step: int) -> float:
+        algo = self.cfg.algo
+        if algo.kl_coef_init is not None and step < algo.kl_warmup_steps:
+            return algo.kl_coef_init
+        return algo.kl_coef
+
+    def lr_at(self, optimizer_step: int) -> float:
+        warmup = self.cfg.optim.lr_warmup_steps
+        scale = min(1.0, (optimizer_step + 1) / warmup) if warmup > 0 else 1.0  # first step is non-zero
+        return self.cfg.optim.learning_rate * scale
+
+    # ----- log-probs ----------------------------------------------------------------------------
+
+    def sequence_logprobs(self, model: torch.nn.Module, batch: SampleBatch, *,
+                          with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-probs (and entropy) of the response tokens under ``model``, temperature-scaled."""
+        device = self.plat.device
+        ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)
+        attention = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)
+        positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
+        width = batch.response_ids.shape[1]
+        with self.autocast():
+            logits = model(input_ids=ids, attention_mask=attention.long(), position_ids=positions,
+                           use_cache=False, logits_to_keep=width + 1).logits[:, :-1]
+        temperature = self.cfg.rollout.temperature
+        logp = dapo_loss.token_logprobs(logits, batch.response_ids.to(device), temperature)
+        entropy = dapo_loss.entropy_from_logits(logits, temperature) if with_entropy else None
+        return logp, entropy
+
+    def micro_batches(self, batch: SampleBatch, rows: torch.Tensor) -> list[tuple[torch.Tensor, SampleBatch]]:
+        """Cut ``rows`` into per_device_batch_size pieces, each trimmed to its own widths."""
+        return [(chunk, batch.select_rows(chunk).trimmed())
+                for chunk in rows.split(self.cfg.optim.per_device_batch_size)]
+
+    @torch.no_grad()
+    def logprobs_of(self, model: torch.nn.Module, batch: SampleBatch, rows: torch.Tensor) -> torch.Tensor:
+        """[N, R] log-probs, filled in for ``rows`` only, computed micro-batch by micro-batch."""
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+        for chunk, part in self.micro_batches(batch, rows):
+            logp, _ = self.sequence_logprobs(model, part, with_entropy=False)
+            out[chunk, : logp.shape[1]] = logp.float().cpu()
+        return out
+
+    # ----- the update ---------------------------------------------------------------------------
+
+    def update(self, batch: SampleBatch, advantages: torch.Tensor, step: int) -> dict[str, Any]:
+        """Train on the step's samples: mini-batches of optimizer steps, micro-batches of backward.
+
+        Each learner owns a fixed, equal share of the rows; mini-batch m is the m-th slice of every
+        learner's share, and its loss is normalised by the whole mini-batch's token (or sequence)
+        count across learners, so neither micro-batching nor the number of learners changes it.
+        """
+        cfg, learners, me = self.cfg, self.layout.num_learners, self.layout.learner_index
+        self.policy.train()
+        mask = batch.response_mask
+        perm = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step))
+        shares = [perm[i::learners] for i in range(learners)]
+        old_logp = self.logprobs_of(self.policy, batch, shares[me])
+        ref_logp = self.logprobs_of(self.ref_model, batch, shares[me]) if self.ref_model is not None else None
+        gap = (old_logp - batch.rollout_logp).abs()[shares[me]][mask[shares[me]]]
+        is_weights = None
+        if cfg.algo.tis_cap > 0:
+            is_weights = torch.exp(old_logp - batch.rollout_logp).clamp(max=cfg.algo.tis_cap) * mask
+        sums = dict.fromkeys(LOSS_METRICS, 0.0)
+        grad_norms = []
+        for epoch in range(cfg.optim.ppo_epochs):
+            order = torch.randperm(len(shares[me]), generator=step_generator(cfg.run.seed, step, epoch))
+            for parts in zip(*(share[order].split(self.derived.minibatch_sequences) for share in shares)):
+                references = {"old": old_logp, "ref": ref_logp, "is_weights": is_weights}
+                self.accumulate_minibatch(batch, advantages, parts, references, self.kl_coef_at(step), sums)
+                grad_norms.append(self.optimizer_step(step))
+        return self.reduce_metrics(sums, gap, grad_norms, kl_coef=self.kl_coef_at(step))
+
+    def accumulate_minibatch(self, batch: SampleBatch, advantages: torch.Tensor, parts: tuple[torch.Tensor, ...],
+                             references: dict[str, Optional[torch.Tensor]], kl_coef: float,
+                             sums: dict[str, float]) -> None:
+        """Backward over this learner's rows of one mini-batch (``parts``: every learner's rows)."""
+        algo, learners = self.cfg.algo, self.layout.num_learners
+        rows, mask = parts[self.layout.learner_index], batch.response_mask
+        global_tokens = sum(int(mask[p].sum()) for p in parts)
+        normalizer = global_tokens if algo.loss_agg_mode == "token-mean" else sum(len(p) for p in parts)
+        for chunk, part in self.micro_batches(batch, rows):
+            width = part.response_ids.shape[1]
+            part_mask = part.response_mask.to(self.plat.device)
+            logp, entropy = self.sequence_logprobs(self.policy, part, with_entropy=True)
+            on_device = lambda t: t[chunk, :width].to(self.plat.device) if t is not None else None  # noqa: E731
+            pg_loss, pg_metrics = dapo_loss.policy_loss(
+                logp, on_device(references["old"]), advantages[chunk].to(self.plat.device), part_mask,
+                clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+                clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode, normalizer=normalizer,
+                is_weights=on_device(references["is_weights"]))
+            entropy_term = dapo_loss.aggregate(entropy, part_mask, algo.loss_agg_mode, normalizer)
+            loss = pg_loss - algo.entropy_coeff * entropy_term
+            share = len(chunk) / (len(rows) * learners)
+            if references["ref"] is not None:
+                kl = dapo_loss.aggregate(dapo_loss.kl_penalty(logp, on_device(references["ref"]), algo.kl_type),
+                                         part_mask, algo.loss_agg_mode, normalizer)
+                loss = loss + kl_coef * kl
+                sums["kl"] += kl.item()
+            if algo.length_penalty_coef:
+                # Normalised by the mini-batch's tokens, so the micro-batch terms add up to the
+                # penalty of the whole mini-batch (rho relative to its mean length).
+                penalty = dapo_loss.length_penalty(logp, part_mask, coef=algo.length_penalty_coef,
+                                                   normalizer=global_tokens)
+                loss = loss + penalty
+                sums["length_penalty"] += penalty.item()
+            # FSDP averages gradients over learners, but each learner's loss is already its share
+            # of the whole mini-batch's loss: scale so the average is the sum.
+            (loss * learners).backward()
+            sums["policy_loss"] += pg_loss.item()
+            sums["entropy"] += entropy_term.item()
+            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+                sums[key] += pg_metrics[key].item() * share
+
+    def reduce_metrics(self, sums: dict[str, float], gap: torch.Tensor, grad_norms: list[float], *,
+                       kl_coef: float) -> dict[str, Any]:
+        """The step's metrics, summed over learners and averaged over optimizer steps."""
+        keys = list(sums)
+        totals = [sums[k] for k in keys] + [float(gap.sum()), float(gap.numel())]
+        gap_max = float(gap.max()) if gap.numel() else 0.0
+        if self.layout.num_learners > 1:
+            with phase("update"):
+                totals = all_reduce_sum(totals, self.groups.learners, self.plat.device)
+                gap_max = all_reduce_max(gap_max, self.groups.learners, self.plat.device)
+        count = len(grad_norms)
+        result = {k: v / count for k, v in zip(keys, totals)}
+        if self.ref_model is None:
+            result["kl"] = None
+        result.update(grad_norm=sum(grad_norms) / count, kl_coef=kl_coef, lr=self.lr_at(self.optimizer_steps - 1),
+                      mismatch_mean=totals[-2] / max(totals[-1], 1.0), mismatch_max=gap_max)
+        return result
+
+    def optimizer_step(self, step: int) -> float:
+        """Clip, check and apply the accumulated gradient; a non-finite one is skipped, never applied."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.optim.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(grad_norm):
+            self.skipped_steps += 1
+            warn(f"step {step}: gradient norm is {grad_norm}; optimizer step skipped "
+                 f"({self.skipped_steps} skipped so far)")
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.optimizer_steps)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        return grad_norm
+
+    # ----- weights out --------------------------------------------------------------------------
+
+    def gather_full_weights(self) -> None:
+        """Every learner joins the all-gather of each shard; the lead keeps the full tensors."""
+        from torch.distributed.tensor import DTensor
+
+        with phase("weight sync"):
+            full = [p.full_tensor() if isinstance(p, DTensor) else p for p in self.policy.parameters()]
+        if self.layout.is_lead:
+            self.full_weights = [t.detach().to("cpu", copy=True) for t in full]
+
+    def export_model(self) -> torch.nn.Module:
+        """An unsharded model holding the lead's latest weights, ready for save_pretrained."""
+        from transformers import AutoModelForCausalLM
+
+        # The gathered full tensors in a plain model, without copying them: the next update
+        # replaces self.full_weights and never changes these, so a background writer can save them.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.policy.config)
+        names = [name for name, _ in model.named_parameters()]
+        model.load_state_dict(dict(zip(names, self.full_weights)), strict=False, assign=True)
+        model.tie_weights()
+        # transformers writes files only on global rank 0; the lead learner is a later rank.
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        return model
+
+    # ----- the learner's part of a checkpoint ---------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps}
+
+    def stage_checkpoint(self, rank_state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Every learner: a host copy of its optimizer shard, and the learners' rank states (on the lead)."""
+        self.writer.wait()  # the previous checkpoint's files are complete, and the host buffers free
+        staged = self.optimizer_saver.stage(self.policy, self.optimizer)
+        if self.layout.num_learners == 1:
+            return staged, [rank_state]
+        with phase("checkpoint"):
+            states = gather_json(rank_state, self.layout.lead_learner, self.groups.learners, self.plat.device)
+        return staged, states
+
+    def write_optimizer_shard(self, folder: Path, staged: dict[str, Any]) -> None:
+        group = self.groups.checkpoint if self.groups is not None else None
+        ckpt.OptimizerSaver.write(folder / "optimizer", staged, group)
+
+    def save_shard_in_background(self, step_folder: Path, rank_state: dict[str, Any]) -> None:
+        """A learner other than the lead: its part of a checkpoint, written beside training."""
+        staged, _ = self.stage_checkpoint(rank_state)
+        self.writer.start(f"save-{step_folder.name}", lambda: self.write_optimizer_shard(step_folder, staged))
+
+    def restore(self, folder: Path, saved: dict[str, Any]) -> None:
+        group = self.groups.learners if self.groups is not None else None
+        with phase("checkpoint load"):
+            ckpt.load_optimizer(folder / "optimizer", self.policy, self.optimizer, group)
+        self.optimizer_steps, self.skipped_steps = saved["optimizer_steps"], saved["skipped_steps"]

@@ -348,6 +348,8 @@ def warnings_for(cfg: Config) -> list[str]:
         notes.append(f"learning_rate={cfg.optim.learning_rate:g} is high for RL on a large MoE model (article 5.4: ~1e-6)")
     if cfg.algo.kl_coef_init is not None and cfg.algo.kl_warmup_steps == 0:
         notes.append("kl_coef_init is set but kl_warmup_steps is 0, so it is never used")
+    if cfg.data.val_dataset is None and cfg.run.val_every:
+        notes.append("no val_dataset: validation is off")
     return notes
 
 

@@ -188,6 +188,31 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
     return batches, table[:, 3:]
 
 
+class SampleChannel:
+    """Generation batches from the rollout ranks to the lead learner, and its answer back:
+    ``MORE`` (the step still lacks informative groups) or ``NEXT``."""
+
+    def __init__(self, layout: Layout, groups: Groups, device: torch.device, group_size: int) -> None:
+        self.layout, self.groups, self.device, self.group_size = layout, groups, device, group_size
+
+    def send(self, batch: Optional[SampleBatch], malformed: int, seconds: float) -> int:
+        """A rollout rank: its share of a generation batch (None: no prompts for it); returns the answer."""
+        with phase("sample transfer"):
+            gather_samples(batch, [seconds, malformed], self.layout, self.groups, self.device, self.group_size)
+            return broadcast_flag(0, self.layout.lead_learner, self.groups.sync, self.device)
+
+    def receive(self, gen_index: int) -> tuple[list[SampleBatch], int, float]:
+        """The lead: generation batch ``gen_index`` of the step, as (batches, malformed responses,
+        seconds of the slowest rank)."""
+        with phase("sample transfer"):
+            pieces, table = gather_samples(None, [0.0, 0.0], self.layout, self.groups, self.device, self.group_size)
+        return pieces, int(table[:, 1].sum()), float(table[:, 0].max())
+
+    def answer(self, full: bool) -> None:
+        with phase("sample transfer"):
+            broadcast_flag(NEXT if full else MORE, self.layout.lead_learner, self.groups.sync, self.device)
+
+
 def broadcast_flag(value: int, src: int, group: dist.ProcessGroup, device: torch.device) -> int:
     flag = torch.tensor([value], dtype=torch.long, device=device)
     dist.broadcast(flag, src=src, group=group)

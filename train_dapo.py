@@ -1,12 +1,12 @@
-"""DAPO training: the entry point, and the only file with side effects at start-up.
+"""DAPO training: the entry point, the only file with side effects at start-up, and the step's
+choreography: who sends what to whom, in which order (DESIGN.md).
 
     python train_dapo.py --config configs/demo_cpu.yaml [--KEY VALUE ...]      # one process, both roles
     torchrun --nproc_per_node=8 train_dapo.py --config ... [--KEY VALUE ...]  # 6 rollout + 2 learner ranks
 
-This file is the step's choreography: who sends what to whom, in which order (DESIGN.md). The
-work itself lives with its role: rollout.py (generation, rewards, dynamic sampling, validation),
-learner.py (FSDP2 learners, the DAPO update, gathering weights), ckpt.py (what a checkpoint
-holds and what a resume checks), ranks.py (the collectives). To change the algorithm, subclass
+The work lives with its role: rollout.py (generation, rewards, dynamic sampling, validation),
+learner.py (FSDP2 learners, the DAPO update), ckpt.py (what a checkpoint holds, what a resume
+checks), ranks.py (what crosses between ranks). To change the algorithm, subclass
 :class:`Trainer` and override :meth:`Trainer.compute_advantages` or :meth:`Trainer.update_policy`.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from data_prep import load_run_inputs
 from device import DTYPES, Platform, seed_everything, select_platform, write_env_report
 from learner import Learner, load_model
 from metrics import StepReporter, log, warn
-from ranks import (MORE, NEXT, Groups, Layout, PhaseError, WeightBroadcast, all_reduce_sum, broadcast_flag,
-                   broadcast_samples, gather_samples, init_world, phase, report_phase_on_sigterm)
+from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum,
+                   broadcast_samples, init_world, phase, report_phase_on_sigterm)
 from rollout import DynamicSampler, Generated, Rollout
 from samples import SampleBatch
 
@@ -43,12 +43,10 @@ def quiet(message: str) -> None:
 class Trainer:
     """DAPO on one process (both roles) or on a rank of a torchrun job (one role).
 
-    Override points (article 4.1):
-
-    - ``compute_advantages(batch) -> Tensor[N]``: one advantage per response. The default is
-      DAPO's group-relative advantage, normalised within each prompt's group.
-    - ``update_policy(batch, advantages) -> dict``: one training step on the step's samples;
-      returns metrics for metrics.csv (keys among metrics.COLUMNS).
+    Override points (article 4.1): ``compute_advantages(batch) -> Tensor[N]``, one advantage per
+    response (default: DAPO's group-relative advantage, normalised within each prompt's group);
+    ``update_policy(batch, advantages) -> dict``, one training step on the step's samples,
+    returning metrics for metrics.csv (keys among metrics.COLUMNS).
 
     The choreography, with s = max_staleness and v_k the weights after k updates: the lead
     learner collects step j's samples, which rollout generated with v_max(0, j-1-s), sends v_(j-1)
@@ -85,6 +83,7 @@ class Trainer:
             shapes = self.learner.param_shapes if lead else [p.shape for p in self.rollout.model.parameters()]
             self.weights = WeightBroadcast(shapes, rollout_dtype, cfg.run.weight_sync_bucket_mb,
                                            src=layout.lead_learner, group=groups.sync, device=plat.device)
+            self.samples = SampleChannel(layout, groups, plat.device, cfg.rollout.sample_num)
         self.sampler, self.report = None, None  # the lead's
         if lead:
             self.sampler = DynamicSampler(cfg.rollout, reports_acc=not cfg.model.reward_model)
@@ -114,7 +113,7 @@ class Trainer:
 
     def run_rollout(self) -> None:
         """A rollout rank's whole run: generate, send, obey "more"/"next", take new weights."""
-        run, sync, device = self.cfg.run, self.groups.sync, self.plat.device
+        run = self.cfg.run
         if self.rollout.weight_version == 0 and self.schedule.validates(0):  # a resumed run validated v0 long ago
             self.send_validation()
         for step in range(self.first_generation_step, run.max_steps + 1 + self.schedule.collects_past_the_end()):
@@ -125,10 +124,7 @@ class Trainer:
                 gen_index += 1
                 with phase("generation"):
                     batch, malformed, seconds = self.rollout.generate_shard(step, gen_index)
-                with phase("sample transfer"):
-                    gather_samples(batch, [seconds, malformed], self.layout, self.groups, device,
-                                   self.cfg.rollout.sample_num)
-                    flag = broadcast_flag(0, self.layout.lead_learner, sync, device)
+                flag = self.samples.send(batch, malformed, seconds)
         while self.rollout.weight_version < run.max_steps:
             self.receive_weights()
 
@@ -144,7 +140,7 @@ class Trainer:
     def send_validation(self) -> None:
         sums = self.rollout.validation_sums()
         with phase("validation"):
-            all_reduce_sum(sums, self.groups.sync, self.plat.device)
+            all_reduce_sum(sums, self.groups.sync, self.plat.device)  # the lead reads the totals
 
     # ----- learners -----------------------------------------------------------------------------
 
@@ -192,27 +188,18 @@ class Trainer:
 
     def collect(self, step: int) -> Collected:
         """Lead learner: the step's batch, from this process's rollout or from the rollout ranks."""
-        if self.single:
-            def next_generation(gen_index: int) -> Generated:
-                batch, malformed, seconds = self.rollout.generate_shard(step, gen_index)
-                return ([batch] if batch is not None else []), malformed, seconds
-            return self.sampler.collect(step, next_generation, answer=lambda full: None)
+        if not self.single:
+            return self.sampler.collect(step, self.samples.receive, self.samples.answer)
 
-        def gathered(gen_index: int) -> Generated:
-            with phase("sample transfer"):
-                pieces, table = gather_samples(None, [0.0, 0.0], self.layout, self.groups, self.plat.device,
-                                               self.cfg.rollout.sample_num)
-            return pieces, int(table[:, 1].sum()), float(table[:, 0].max())
-
-        def answer(full: bool) -> None:
-            with phase("sample transfer"):
-                broadcast_flag(NEXT if full else MORE, self.layout.lead_learner, self.groups.sync, self.plat.device)
-        return self.sampler.collect(step, gathered, answer)
+        def generate_here(gen_index: int) -> Generated:
+            batch, malformed, seconds = self.rollout.generate_shard(step, gen_index)
+            return ([batch] if batch is not None else []), malformed, seconds
+        return self.sampler.collect(step, generate_here, answer=lambda full: None)
 
     def hand_off(self, version: int, collected: Optional[Collected]) -> Optional[float]:
         """Lead learner: send weights ``version`` to the rollout side, finish that step's row, then
         checkpoint when due; returns the seconds spent saving (None when nothing was saved)."""
-        if version <= self.schedule.resumed_from:  # v0 is the base model; a resumed run's first one went out before its save
+        if version <= self.schedule.resumed_from:  # v0: the base model; a resumed run's first: sent before its save
             return None
         start = time.perf_counter()
         if self.single:
@@ -268,14 +255,12 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         layout = Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                         num_learners=derived.num_learner_ranks)
         lead = layout.is_lead
-        if cfg.data.val_dataset is None and cfg.run.val_every and lead:
-            warn("no val_dataset: validation is off")
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
 
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
         for message in warnings_for(cfg) if lead else []:
-            warn(message)
+            warn(message)  # "no val_dataset" among them
         out = Path(cfg.run.output_dir)
         resume = ckpt.find_resume_checkpoint(
             out, cfg.run.resume_from_checkpoint, restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
@@ -283,16 +268,15 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         ckpt.prepare_output_dir(out, overwrite=cfg.run.overwrite_output_dir, create=lead,
                                 resuming=cfg.run.resume_from_checkpoint is not None or resume is not None)
         role = "rollout+learner" if world_size == 1 else layout.role + (" (lead)" if lead else "")
-        log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} "
-            f"backend={plat.backend}")
+        log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} backend={plat.backend}")
         if world_size > 1:
             report_phase_on_sigterm(layout.rank)
             plat.bind()
             groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s)
         seed_everything(cfg.run.seed + layout.rank)
-        trainer = trainer_class(cfg, plat, derived, layout, groups, resume)  # checks the inputs before anything is written
-        if lead and trainer.schedule.resumed_from >= cfg.run.max_steps:
-            log(f"the checkpoint is at step {trainer.schedule.resumed_from}, max_steps is {cfg.run.max_steps}: nothing to train")
+        trainer = trainer_class(cfg, plat, derived, layout, groups, resume)  # checks the inputs; writes nothing
+        if lead and (resumed := trainer.schedule.resumed_from) >= cfg.run.max_steps:
+            log(f"the checkpoint is at step {resumed}, max_steps is {cfg.run.max_steps}: nothing to train")
         if lead:
             (out / "config.yaml").write_text(cfg.to_yaml())
             write_env_report(out / "env_report.json", plat, world_size)

@@ -123,6 +123,11 @@ def test_a_crashed_rank_restarts_the_job_from_its_checkpoint(demo_assets, eight_
             if " role=" in line and " pid=" in line:
                 pids[line.split()[1]] = int(line.split(" pid=")[1].split()[0])
             if line.startswith("step     2 |"):  # row 2 is written during step 3 (after its weights go out)
+                # Checkpoint 2 is written beside step 3; the kill waits for it, so the restart
+                # always resumes from step 2 rather than from whichever save a race left complete.
+                deadline = time.time() + 60
+                while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists() and time.time() < deadline:
+                    time.sleep(0.01)
                 os.kill(pids["2/8"], signal.SIGKILL)
                 break
         else:
@@ -131,7 +136,7 @@ def test_a_crashed_rank_restarts_the_job_from_its_checkpoint(demo_assets, eight_
         log = "".join(lines) + rest
         assert job.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
         assert log.count("role=rollout") == 12  # every rank started twice
-        assert "resuming from" in log
+        assert "resuming from" in log and "step_00000002" in log.split("resuming from")[1].splitlines()[0]
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -140,10 +145,14 @@ def test_a_crashed_rank_restarts_the_job_from_its_checkpoint(demo_assets, eight_
 
 
 def test_synchronous_mode_has_no_staleness(demo_assets, tmp_path):
-    proc = torchrun(3, run_args(demo_assets, tmp_path / "sync", 2, "--max_staleness", "0",
-                                "--learner_ranks", "1"))
+    # Without dynamic sampling no group is carried over to a later step (a carried group is one
+    # version staler by design), so every sample of step j comes from v_(j-1) by construction.
+    proc = torchrun(3, run_args(demo_assets, tmp_path / "sync", 3, "--max_staleness", "0",
+                                "--learner_ranks", "1", "--dynamic_sampling", "false"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["staleness"] for r in metrics_rows(tmp_path / "sync")[1:]] == ["0", "0"]
+    rows = metrics_rows(tmp_path / "sync")[1:]
+    assert [r["staleness"] for r in rows] == ["0", "0", "0"]
+    assert [r["carried_groups"] for r in rows] == ["0", "0", "0"]
 
 
 def test_a_killed_rank_ends_the_job_naming_the_phase(demo_assets, tmp_path):
@@ -192,16 +201,21 @@ def test_two_nodes_on_one_machine_run_as_one_job(demo_assets, tmp_path):
 def test_two_ranks_reproduce_the_one_process_run(demo_assets, tmp_path):
     """One rollout rank + one learner run the same choreography as one process, through real
     process groups: any slip in sample transfer or weight sync changes the numbers."""
-    import train_dapo
-
-    assert train_dapo.main(run_args(demo_assets, tmp_path / "one", 3)[1:]) == 0
+    # Both runs in fresh processes with one thread each, so the float arithmetic is the same.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one_process = subprocess.run([sys.executable, *run_args(demo_assets, tmp_path / "one", 3)], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=240)
+    assert one_process.returncode == 0, one_process.stderr[-3000:]
     proc = torchrun(2, run_args(demo_assets, tmp_path / "two", 3))
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = metrics_rows(tmp_path / "one"), metrics_rows(tmp_path / "two")
-    # The rollout log-probs come from two separately built model copies and agree only to float32
-    # rounding, so the mismatch metric is compared with a tolerance; everything else exactly.
-    gaps = [(float(a.pop("mismatch_mean")), float(b.pop("mismatch_mean"))) for a, b in zip(one[1:], two[1:])]
-    assert [a for a, _ in gaps] == pytest.approx([b for _, b in gaps], rel=1e-5, abs=1e-9)
+    # The rollout log-probs come from two model copies built differently (a copy of the learner's
+    # policy vs a load from disk) and the learner's from batches of other widths: they agree to
+    # float32 rounding of log-probs of magnitude ~1-10 (~1e-6 per token), not bit for bit. Only
+    # the mismatch metrics see that noise; everything else must be identical.
+    for key in ("mismatch_mean", "mismatch_max"):
+        gaps = [(float(a.pop(key)), float(b.pop(key))) for a, b in zip(one[1:], two[1:])]
+        assert [a for a, _ in gaps] == pytest.approx([b for _, b in gaps], rel=1e-4, abs=1e-5), key
     assert one == two
     weights = [(tmp_path / n / "checkpoints" / "step_00000003" / "model" / "model.safetensors").read_bytes()
                for n in ("one", "two")]

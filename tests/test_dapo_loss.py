@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+import weakref
 
 import pytest
 import torch
+from torch import Tensor
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dapo_loss import (
+    LOGITS_CHUNK_BYTES,
     LOSS_AGG_MODES,
     aggregate,
     entropy_from_logits,
@@ -27,7 +26,6 @@ from dapo_loss import (
     token_logprobs,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 LOW, HIGH, DUAL = 0.2, 0.28, 10.0
 
 
@@ -297,34 +295,57 @@ def test_aggregate_without_valid_tokens_is_zero_not_nan():
 # --- advantages and dynamic sampling ----------------------------------------------------------
 
 
+# float64 and a relative tolerance of 1e-12 in the advantage tests: at float32 tolerance (1.3e-6)
+# a division by 1 + 1e-6 cannot be told from a division by 1, so the default eps would go unchecked.
+EXACT = {"rtol": 1e-12, "atol": 0.0}
+
+
 def test_group_advantages_hand_worked():
     # Group 1 [1,-1,-1,-1]: mean -0.5, unbiased var (1.5^2 + 3 * 0.5^2) / 3 = 1, std 1.
     # Group 2 [1,1,-1,-1]: mean 0, var 4/3, std 2/sqrt(3): A = +-1 / (2/sqrt(3) + 1e-6) ~ +-0.866.
-    rewards = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
+    rewards = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
     std2 = 2 / math.sqrt(3)
-    expected = torch.tensor([1.5, -0.5, -0.5, -0.5]) / (1 + 1e-6)
-    expected = torch.cat([expected, torch.tensor([1.0, 1.0, -1.0, -1.0]) / (std2 + 1e-6)])
-    assert_close(group_advantages(rewards, 4), expected)
+    expected = torch.tensor([1.5, -0.5, -0.5, -0.5], dtype=torch.float64) / (1 + 1e-6)
+    expected = torch.cat([expected, torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64) / (std2 + 1e-6)])
+    assert_close(group_advantages(rewards, 4), expected, **EXACT)
+
+
+def test_group_advantages_eps_is_added_to_the_std():
+    # Rewards [0, d] with d = sqrt(2) * 1e-6: mean d/2, unbiased std d/sqrt(2) = 1e-6 = eps, so
+    # A = +-(d/2) / (1e-6 + 1e-6) = +-1/(2 sqrt(2)), half of the +-1/sqrt(2) that std alone gives;
+    # eps under the square root, 1e-6 / sqrt(1e-12 + 1e-6) ~ 1e-3, would be another number again.
+    rewards = torch.tensor([0.0, math.sqrt(2) * 1e-6], dtype=torch.float64)
+    half = 1 / (2 * math.sqrt(2))
+    assert_close(group_advantages(rewards, 2), torch.tensor([-half, half], dtype=torch.float64), **EXACT)
+    assert_close(group_advantages(rewards, 2, eps=0.0), torch.tensor([-2 * half, 2 * half], dtype=torch.float64),
+                 **EXACT)
 
 
 def test_group_advantages_constant_group_is_zero_and_groups_stay_separate():
-    rewards = torch.tensor([0.7, 0.7, 0.7, 1.0, 0.0, 1.0])
+    # Constant groups have std 0 (or rounding noise, when the mean of 0.7s is not exactly 0.7):
+    # eps keeps them at 0 (or ~1e-10) where centered / std alone would give NaN or inf.
+    rewards = torch.tensor([0.75, 0.75, 0.75, 0.7, 0.7, 0.7, 1.0, 0.0, 1.0], dtype=torch.float64)
     advantages = group_advantages(rewards, 3)
-    assert torch.equal(advantages[:3], torch.zeros(3))
-    assert advantages[4] < 0 < advantages[3]
+    assert torch.equal(advantages[:3], torch.zeros(3, dtype=torch.float64))
+    assert advantages[3:6].abs().max() < 1e-9
+    # Group 3 [1, 0, 1]: mean 2/3, unbiased std 1/sqrt(3).
+    expected = torch.tensor([1 / 3, -2 / 3, 1 / 3], dtype=torch.float64) / (1 / math.sqrt(3) + 1e-6)
+    assert_close(advantages[6:], expected, **EXACT)
 
 
-def test_group_advantages_singleton_group_is_raw_reward():
-    rewards = torch.tensor([1.0, -1.0, 0.25])
-    assert_close(group_advantages(rewards, 1), rewards / (1 + 1e-6))
-    assert_close(group_advantages(rewards, 1), rewards)
-    assert_close(group_advantages(rewards, 1, norm_by_std=False), rewards)
+def test_group_advantages_singleton_group_is_raw_reward_over_one_plus_eps():
+    rewards = torch.tensor([1.0, -1.0, 0.25], dtype=torch.float64)
+    assert_close(group_advantages(rewards, 1), rewards / (1 + 1e-6), **EXACT)
+    assert_close(group_advantages(rewards, 1, eps=0.25), rewards / 1.25, **EXACT)
+    assert torch.equal(group_advantages(rewards, 1, norm_by_std=False), rewards)
 
 
 def test_group_advantages_without_std_normalisation():
     rewards = torch.tensor([1, 0, 0, 0, 1, 1], dtype=torch.int64)  # integer rewards are accepted
     assert_close(group_advantages(rewards, 3, norm_by_std=False),
                  torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3]))
+    assert_close(group_advantages(rewards.double(), 3, norm_by_std=False, eps=0.5),
+                 torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3], dtype=torch.float64), **EXACT)
 
 
 def test_group_advantages_rejects_ragged_groups():
@@ -459,64 +480,78 @@ def test_logprobs_reject_non_positive_temperature():
         token_logprobs(torch.zeros(1, 1, 3), torch.zeros(1, 1, dtype=torch.long), 0.0)
 
 
-MEMORY_PROBE = textwrap.dedent("""
-    import gc, json, resource, torch
-    from dapo_loss import entropy_from_logits, token_logprobs
+class LiveStorageBytes(TorchDispatchMode):
+    """The peak of bytes held by tensor storages that ops allocate inside the mode, while alive.
 
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
+    It counts what tensors hold, not what the process holds (RSS follows malloc's thresholds and
+    reuse of freed memory), so the figure is the same on every machine; torch's MemTracker
+    measures the same way. An output that shares an input's storage (a view, an in-place op)
+    allocates nothing; a new storage counts until it is freed, whenever that happens.
+    """
 
-    def peak():  # ru_maxrss is in KiB on Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._release_on_free: dict[int, weakref.ref] = {}  # storage address -> its weak reference
 
-    torch.set_num_threads(1)
-    vocab = 151936  # Qwen3
-    logits = torch.empty(4, 128, vocab, dtype=torch.bfloat16).uniform_(-8, 8)
-    tokens = torch.randint(0, vocab, (4, 128))
-    token_logprobs(logits[:1, :2], tokens[:1, :2]), entropy_from_logits(logits[:1, :2])  # warm-up
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        outputs = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        for output in tree_flatten(outputs)[0]:
+            if isinstance(output, Tensor):
+                storage = output.untyped_storage()
+                address = storage.data_ptr()
+                if storage.nbytes() and address not in inputs and address not in self._release_on_free:
+                    self._count(storage, address)
+        return outputs
 
-    extra = {}
-    def measure(name, fn):
-        gc.collect()
-        before = rss()
+    def _count(self, storage: torch.UntypedStorage, address: int) -> None:
+        nbytes = storage.nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        self._release_on_free[address] = weakref.ref(storage, lambda _: self._release(address, nbytes))
+
+    def _release(self, address: int, nbytes: int) -> None:
+        self.live -= nbytes
+        del self._release_on_free[address]
+
+
+def peak_bytes(fn):
+    """(fn's result, the peak of bytes that fn allocated and held at once)."""
+    with LiveStorageBytes() as tracker:
         result = fn()
-        extra[name] = peak() - before
-        return result
-
-    def backward(output):
-        output.sum().backward()
-        logits.grad = None
-
-    # ru_maxrss never decreases, so the probes run from the tightest bound to the loosest.
-    # Forward with autograd recording: a naive loop would keep every float32 block for backward.
-    logits.requires_grad_()
-    logprobs = measure("logprobs_forward", lambda: token_logprobs(logits, tokens, 0.7))
-    entropy = measure("entropy_forward", lambda: entropy_from_logits(logits, 0.7))
-    measure("logprobs_backward", lambda: backward(logprobs))
-    measure("entropy_backward", lambda: backward(entropy))
-    print(json.dumps({"extra": extra, "full_fp32": logits.numel() * 4, "grad": logits.numel() * 2}))
-""")
+    return result, tracker.peak
 
 
 def test_logprobs_and_entropy_peak_memory_is_bounded_for_qwen3_vocabulary():
-    # A fresh process so the peak RSS belongs to these calls alone. Fixing glibc's mmap
-    # threshold makes freed blocks go back to the OS at once, so RSS follows live tensors
-    # instead of heap fragmentation. Logits [4, 128, 151936] bf16: 148 MiB; one float32 copy
-    # 297 MiB (log_softmax on it peaks at ~2 copies); the gradient (bf16) 148 MiB.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(2**20),
-               PYTHONPATH=str(REPO_ROOT))
-    probe = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert probe.returncode == 0, probe.stderr
-    report = json.loads(probe.stdout.strip().splitlines()[-1])
-    extra, full_fp32, grad = report["extra"], report["full_fp32"], report["grad"]
-    mib = {name: round(value / 2**20) for name, value in extra.items()}
-    assert extra["logprobs_forward"] < full_fp32 / 3, mib
-    assert extra["entropy_forward"] < full_fp32 / 3, mib
-    # Backward must allocate the gradient itself, and beyond it only bounded blocks.
-    assert extra["logprobs_backward"] < grad + full_fp32 / 3, mib
-    assert extra["entropy_backward"] < grad + full_fp32 / 3, mib
+    # Logits [4, 128, 151936] bf16: 148 MiB; one float32 copy 297 MiB (log_softmax on it holds
+    # two); the gradient (bf16) 148 MiB. The kernels' own claim: at most two float32 blocks of
+    # LOGITS_CHUNK_BYTES (32 MiB) at a time, plus vectors of one float per row (2 KiB here).
+    vocab = 151936
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.empty(4, 128, vocab, dtype=torch.bfloat16).uniform_(-8, 8, generator=gen).requires_grad_()
+    tokens = torch.randint(0, vocab, (4, 128), generator=gen)
+    blocks = 2 * LOGITS_CHUNK_BYTES + 2**20
+    grad = logits.numel() * logits.element_size()
+
+    def backward(output: Tensor) -> None:
+        output.sum().backward()
+        logits.grad = None
+
+    # Forward with autograd recording: a naive loop would keep every float32 block for backward.
+    logprobs, logprobs_forward = peak_bytes(lambda: token_logprobs(logits, tokens, 0.7))
+    entropy, entropy_forward = peak_bytes(lambda: entropy_from_logits(logits, 0.7))
+    _, logprobs_backward = peak_bytes(lambda: backward(logprobs))
+    _, entropy_backward = peak_bytes(lambda: backward(entropy))
+    peaks = {"logprobs_forward": logprobs_forward, "entropy_forward": entropy_forward,
+             "logprobs_backward": logprobs_backward, "entropy_backward": entropy_backward}
+    mib = {name: round(value / 2**20, 1) for name, value in peaks.items()}
+    # Lower bounds: a float32 row must be upcast, and backward must allocate the gradient, so a
+    # probe that missed the kernels' allocations cannot pass.
+    assert min(logprobs_forward, entropy_forward) >= vocab * 4, mib
+    assert min(logprobs_backward, entropy_backward) >= grad, mib
+    assert max(logprobs_forward, entropy_forward) <= blocks, mib
+    assert max(logprobs_backward, entropy_backward) <= grad + blocks, mib
 
 
 @pytest.mark.parametrize("pieces", [1, 2, 4])

@@ -511,8 +511,14 @@ def cmd_reward_check(args: argparse.Namespace) -> None:
     answers = [answer for answer in (prompts.answers if prompts else rows.answers) for _ in range(group)]
 
     scored = scorer(prompt_texts, responses) if scorer else score_with_rule(rule, responses, answers)
-    summary = summarize(scored.scores)
     print(f"reward: {args.reward_model or args.reward_fn} on {source}")
+    report_reward_check(args, scored, group, rows.locations if rule is not None and not args.model_path else None)
+
+
+def report_reward_check(args: argparse.Namespace, scored, group: int, reference_locations: Optional[list[str]]) -> None:
+    """Print the spread of the scores; ``reference_locations`` when the rule judged reference
+    answers, which should all be correct (their spread says nothing about learning)."""
+    summary = summarize(scored.scores)
     print("reward: count {count:.0f} mean {mean:.4f} std {std:.4f} min {min:.4f} p10 {p10:.4f} p50 {p50:.4f} "
           "p90 {p90:.4f} max {max:.4f}".format(**summary))
     if scored.correct is not None:
@@ -527,9 +533,8 @@ def cmd_reward_check(args: argparse.Namespace) -> None:
         save_histogram(scored.scores, args.plot, title=f"reward: {Path(args.dataset).name}", xlabel="reward")
         print(f"histogram: {args.plot}")
 
-    if rule is not None and not args.model_path:
-        # Reference answers should all be judged correct; their spread says nothing about learning.
-        rejected = [where for where, ok in zip(rows.locations, scored.correct) if not ok]
+    if reference_locations is not None:
+        rejected = [where for where, ok in zip(reference_locations, scored.correct) if not ok]
         if rejected:
             print(f"warning: the rule rejects {len(rejected)} of {len(rejected) + sum(scored.correct)} reference "
                   f"answers (first: {rejected[0]}): check --answer_key and the rule", file=sys.stderr)

@@ -369,7 +369,7 @@ class Checkpointer:
         learner = self.learner
         state = {"step": version, "weight_version": version, "generated_through_step": version + (collected is not None),
                  "collected_ahead_row": collected[1] if collected is not None else None, **learner.counters(),
-                 "kl_coef": learner.kl_coef_at(version), "lr": learner.lr_at(learner.optimizer_steps),
+                 "kl_coef": learner.kl_coef_at(version), "lr": learner.lr_at(version),
                  "group_size": self.cfg.rollout.sample_num, **self.report.state(), "fingerprint": self.fingerprint,
                  "config": self.cfg.flat()}
         # Serialised now: the trainer goes on changing its state while the writer runs. The model
@@ -403,14 +403,13 @@ class Checkpointer:
         if self.layout.is_lead:
             self.sampler.restore(read_tensors(folder / "sample_buffer.safetensors"), saved["group_size"],
                                  saved["collected_ahead_row"])
-            self.report.restore(saved)
-            shutil.copyfile(folder / "metrics.csv", self.out_dir / "metrics.csv")  # drops rows after the checkpoint
+            self.report.restore(saved, folder / "metrics.csv")
         self.plat.set_rng_state(mine["rng"])
 
 
 # Settings that may change between a checkpoint and its resume without changing the results.
 RESUMABLE_CHANGES = ("max_steps", "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "log_every",
-                     "save_every", "keep_last", "dist_timeout_s")
+                     "log_completions", "report_to", "save_every", "keep_last", "dist_timeout_s")
 
 
 def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str, Any],

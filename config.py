@@ -60,9 +60,12 @@ class RolloutConfig:
     sample_num: int = 8
     prompts_per_step: int = 32
     dynamic_sampling: bool = True
-    dynamic_sampling_metric: Literal["reward", "acc"] = "reward"
+    # auto: acc where the reward has a notion of correct (a rule), else reward (a reward model),
+    # as DAPO filters; with overlong shaping, reward would keep all-wrong groups that differ in length.
+    dynamic_sampling_metric: Literal["auto", "reward", "acc"] = "auto"
     max_gen_batches: int = 10
     val_temperature: float = 0.0  # 0 = greedy validation
+    val_top_p: float = 1.0  # nucleus for validation when val_temperature > 0
     val_max_prompts: int = 0  # 0 = the whole validation set
 
 
@@ -87,7 +90,7 @@ class AlgoConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     learning_rate: float = 1e-6
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = 0  # training steps (not optimizer steps), as verl counts them
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     per_device_batch_size: int = 4
@@ -104,6 +107,8 @@ class RunConfig:
     overwrite_output_dir: bool = False
     max_steps: int = 100
     log_every: int = 1
+    log_completions: int = 2  # prompts (with all their responses) written to completions.jsonl per logged step
+    report_to: list[str] = field(default_factory=lambda: ["csv"])  # and "tensorboard"; metrics.csv is always written
     val_every: int = 10
     save_every: int = 1
     keep_last: int = 3
@@ -198,7 +203,7 @@ def coerce(key: str, value: Any, tp: Any = None) -> Any:
         return value
     if origin is list:
         items = _parse_text(value) if isinstance(value, str) else value
-        if isinstance(items, (int, float)) and not isinstance(items, bool):
+        if isinstance(items, (int, float, str)) and not isinstance(items, bool):  # one item: --report_to tensorboard
             items = [items]
         if not isinstance(items, list):
             raise bad
@@ -306,7 +311,8 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.prompts_per_step >= 1, "prompts_per_step must be >= 1"),
         (cfg.rollout.max_response_length >= 1, "max_response_length must be >= 1"),
         (cfg.rollout.temperature > 0, "temperature must be > 0 (use val_temperature 0 for greedy validation)"),
-        (0 < cfg.rollout.top_p <= 1, "top_p must be in (0, 1]"),
+        (0 < cfg.rollout.top_p <= 1 and 0 < cfg.rollout.val_top_p <= 1, "top_p and val_top_p must be in (0, 1]"),
+        (cfg.rollout.val_temperature >= 0, "val_temperature must be >= 0 (0 = greedy)"),
         (cfg.rollout.max_gen_batches >= 0, "max_gen_batches must be >= 0 (0 = no limit)"),
         (cfg.data.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
         (cfg.data.bucket_size >= 1, "bucket_size must be >= 1"),
@@ -325,6 +331,9 @@ def validate(cfg: Config) -> None:
         (cfg.run.save_every >= 0, "save_every must be >= 0 (0 = never)"),
         (cfg.run.keep_last >= 1, "keep_last must be >= 1"),
         (cfg.run.log_every >= 1 and cfg.run.val_every >= 0, "log_every must be >= 1 and val_every >= 0"),
+        (cfg.run.log_completions >= 0, "log_completions must be >= 0 (0 = off)"),
+        (set(cfg.run.report_to) <= {"csv", "tensorboard"},
+         f"report_to takes csv and tensorboard, got {cfg.run.report_to}"),
         (cfg.run.dist_timeout_s > 0, "dist_timeout_s must be > 0"),
         (not (cfg.model.reward_model and cfg.rollout.dynamic_sampling_metric == "acc"),
          "dynamic_sampling_metric acc needs a rule reward (reward_fn); a reward_model has no notion of correct"),
@@ -363,6 +372,7 @@ class Derived:
     sequences_per_step: int  # prompts_per_step * sample_num
     minibatch_sequences: int  # per learner rank per optimizer step
     optimizer_steps_per_step: int
+    dynamic_sampling_metric: str  # "acc" or "reward": dynamic_sampling_metric with auto resolved
 
     @staticmethod
     def of(cfg: Config, world_size: int) -> "Derived":
@@ -383,6 +393,8 @@ class Derived:
             sequences_per_step=sequences,
             minibatch_sequences=per_rank_mb,
             optimizer_steps_per_step=sequences // (per_rank_mb * learners) * cfg.optim.ppo_epochs,
+            dynamic_sampling_metric=(cfg.rollout.dynamic_sampling_metric if cfg.rollout.dynamic_sampling_metric != "auto"
+                                     else "reward" if cfg.model.reward_model else "acc"),
         )
 
 
@@ -397,9 +409,9 @@ class Schedule:
 
     def validates(self, version: int) -> bool:
         run = self.run
-        if not self.has_val_set:
+        if not self.has_val_set or run.val_every == 0:
             return False
-        return version == 0 or (run.val_every > 0 and (version % run.val_every == 0 or version == run.max_steps))
+        return version == 0 or version % run.val_every == 0 or version == run.max_steps
 
     def saves(self, version: int) -> bool:
         """Whether this run writes checkpoint ``version`` (a resumed run has its first one already)."""

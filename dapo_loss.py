@@ -212,28 +212,30 @@ def overlong_penalty(lengths: Tensor, *, max_response_length: int, buffer_len: i
     return torch.clamp(-overshoot / buffer_len * penalty_factor, max=0.0)
 
 
-def length_penalty(logp: Tensor, mask: Tensor, *, coef: float, normalizer: Normalizer = None) -> Tensor:
-    """coef * mean_i(rho_i * masked_mean_t(logp[i, t])), rho_i = |o_i| / mean_j |o_j| (§5).
+def group_length_ratio(lengths: Tensor, group_size: int) -> Tensor:
+    """rho_i = |o_i| / (mean length of response i's group) (§5), one per response, float32.
 
-    logp, mask: [N, T]; returns a scalar. rho is a constant but, unlike the seed's `.detach()`
-    of the whole term, the gradient flows through logp. Since rho_i / |o_i| = 1 / mean_j |o_j|,
-    the term equals coef * sum(logp * mask) / (total valid tokens): every valid token gets the
-    same gradient, so a response's summed gradient, the push on its log-probability, grows
-    with its length. That identity is what makes it splittable: pass the whole optimizer
-    step's valid-token count as ``normalizer`` and the micro-batch terms sum to the term of
-    the whole step (None = this call's own count).
-
-    Caveat, measured with bench/length_penalty.py: the same identity makes the term
-    coef * sum_i log pi(o_i) / (total tokens), one weight for every response, so on on-policy
-    samples its expected gradient is zero (E[grad log pi(o)] = 0) and it does not reliably
-    shorten responses.
+    A group whose responses are all empty has rho 0 rather than NaN. Computed once per step on
+    the whole batch (groups are contiguous there), before it is cut into mini-batches.
     """
-    if normalizer is not None:
-        return coef * aggregate(logp, mask, "token-mean", normalizer)
-    lengths = mask.bool().sum(dim=-1).to(logp.dtype)
-    # All-empty batch: mean 0, every rho is 0 / tiny = 0 instead of NaN.
-    rho = lengths / lengths.mean().clamp_min(torch.finfo(logp.dtype).tiny)
-    return coef * aggregate(logp * rho.unsqueeze(-1), mask, "seq-mean-token-mean")
+    groups = _grouped(lengths.float(), group_size)
+    mean = groups.mean(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return (groups / mean).reshape(-1)
+
+
+def length_penalty(logp: Tensor, mask: Tensor, length_ratio: Tensor, *, coef: float,
+                   normalizer: Normalizer = None) -> Tensor:
+    """coef * sum_i (rho_i - 1) * sum_t logp[i, t] / N (§5): the score-function gradient of the
+    expected relative length, with the group mean as baseline.
+
+    logp, mask: [N, T]; length_ratio: [N], rho from :func:`group_length_ratio` (a constant, no
+    gradient). Minimising it lowers the log-probability of responses longer than their group's
+    mean and raises that of shorter ones; equal lengths contribute nothing. N is ``normalizer``
+    (the mini-batch's loss normaliser, so micro-batch terms add up to the mini-batch's term) or,
+    when None, this call's token count.
+    """
+    weight = (length_ratio.detach().to(logp.dtype) - 1).unsqueeze(-1)
+    return coef * aggregate(weight * logp, mask, "token-mean", normalizer)
 
 
 # --- log-probs and entropy from logits, in bounded memory (§5) --------------------------------

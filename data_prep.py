@@ -381,7 +381,7 @@ def generate_responses(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *,
     Uses the trainer's own generation engine (rollout.generate); sampling draws from the global
     torch RNG, so seed it first for repeatable samples.
     """
-    from rollout import generate, left_pad
+    from rollout import Sampling, generate, left_pad
 
     stop_ids = _stop_ids(model, tokenizer)
     results: list[tuple[list[int], bool]] = []
@@ -391,7 +391,8 @@ def generate_responses(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *,
         chunk = prompt_ids[start:start + batch_size]
         ids, mask = left_pad(chunk, max(len(p) for p in chunk), tokenizer.pad_token_id)
         out = generate(model, ids, mask, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                       pad_id=tokenizer.pad_token_id, temperature=temperature, top_p=top_p, greedy=not do_sample)
+                       pad_id=tokenizer.pad_token_id,
+                       sampling=Sampling(temperature=temperature, top_p=top_p, greedy=not do_sample))
         for row, row_mask, truncated in zip(out.response_ids.tolist(), out.response_mask.tolist(),
                                             out.truncated.tolist()):
             kept = row[:sum(row_mask)]

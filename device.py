@@ -22,6 +22,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from config import UserError
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -93,16 +95,17 @@ def _text_to_bytes(text: str) -> torch.Tensor:
 
 
 def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
-    """NPU if torch_npu imports and sees a device, else CUDA, else CPU (DESIGN.md)."""
+    """NPU if torch_npu imports and sees a device, else CUDA, else CPU (DESIGN.md); a device asked
+    for by name that this machine lacks is a UserError."""
     if requested in ("auto", "npu") and _import_torch_npu() is not None and hasattr(torch, "npu") \
             and torch.npu.is_available():
         return Platform("npu", "hccl", local_rank)
     if requested == "npu":
-        raise RuntimeError("device 'npu' requested but torch_npu is not installed or sees no NPU")
+        raise UserError("device npu: torch_npu is not installed or sees no NPU here (use --device auto or cpu)")
     if requested in ("auto", "cuda") and torch.cuda.is_available():
         return Platform("cuda", "nccl", local_rank)
     if requested == "cuda":
-        raise RuntimeError("device 'cuda' requested but torch sees no CUDA device")
+        raise UserError("device cuda: torch sees no CUDA device here (use --device auto or cpu)")
     return Platform("cpu", "gloo", local_rank)
 
 

@@ -39,7 +39,8 @@ setup() {
     torch_version=$("$py" -c 'import torch; print(torch.__version__)')
   fi
   echo "torch==$torch_version" > "$constraints"
-  "$py" -m pip install -q -c "$constraints" -e ".[dev]"
+  # The extras the demo (tensorboard) and the tests (tensorboard, math-verify) use.
+  "$py" -m pip install -q -c "$constraints" -e ".[dev,tensorboard,math]"
   rm -f "$constraints"
   touch "$stamp"
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +22,7 @@ import dapo_loss
 from config import Config, Derived
 from device import Platform, step_generator
 from metrics import warn
-from ranks import Groups, Layout, all_reduce_max, all_reduce_sum, gather_json, phase
+from ranks import Groups, Layout, all_reduce_max, all_reduce_sum, all_reduce_tensor, gather_json, phase
 from samples import SampleBatch
 
 # Summed over micro-batches and learners, then averaged over optimizer steps (metrics.csv).
@@ -38,6 +39,18 @@ def uses_reference_model(cfg: Config) -> bool:
     """Whether any step has a KL term, so the base model must be kept as the KL reference."""
     return cfg.algo.kl_coef > 0 or (cfg.algo.kl_coef_init is not None and cfg.algo.kl_warmup_steps > 0
                                     and cfg.algo.kl_coef_init > 0)
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """What the update computes once per step, before cutting it into mini-batches: one row per
+    sample ([N] or [N, R]); the reference log-probs and importance weights only when in use."""
+
+    advantages: torch.Tensor
+    old_logp: torch.Tensor
+    ref_logp: Optional[torch.Tensor]
+    is_weights: Optional[torch.Tensor]
+    length_ratio: torch.Tensor  # rho of REFERENCE.md §5: length over the group's mean length
 
 
 class Learner:
@@ -93,21 +106,26 @@ class Learner:
         return contextlib.nullcontext()
 
     def kl_coef_at(self, step: int) -> float:
+        """The KL coefficient of training step ``step`` (1-based): kl_coef_init for the first
+        kl_warmup_steps steps, kl_coef after."""
         algo = self.cfg.algo
-        if algo.kl_coef_init is not None and step < algo.kl_warmup_steps:
+        if algo.kl_coef_init is not None and step <= algo.kl_warmup_steps:
             return algo.kl_coef_init
         return algo.kl_coef
 
-    def lr_at(self, optimizer_step: int) -> float:
+    def lr_at(self, step: int) -> float:
+        """The learning rate of every optimizer step of training step ``step`` (1-based): linear
+        warmup over lr_warmup_steps training steps, as verl counts them; the first is non-zero."""
         warmup = self.cfg.optim.lr_warmup_steps
-        scale = min(1.0, (optimizer_step + 1) / warmup) if warmup > 0 else 1.0  # first step is non-zero
+        scale = min(1.0, step / warmup) if warmup > 0 else 1.0
         return self.cfg.optim.learning_rate * scale
 
     # ----- log-probs ----------------------------------------------------------------------------
 
-    def sequence_logprobs(self, model: torch.nn.Module, batch: SampleBatch, *,
-                          with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Log-probs (and entropy) of the response tokens under ``model``, temperature-scaled."""
+    def sequence_logprobs(self, model: torch.nn.Module, batch: SampleBatch, *, with_entropy: bool,
+                          entropy_grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-probs (and entropy) of the response tokens under ``model``, temperature-scaled.
+        Without ``entropy_grad`` the entropy is a metric only: no graph over the full vocabulary."""
         device = self.plat.device
         ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)
         attention = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)
@@ -118,7 +136,10 @@ class Learner:
                            use_cache=False, logits_to_keep=width + 1).logits[:, :-1]
         temperature = self.cfg.rollout.temperature
         logp = dapo_loss.token_logprobs(logits, batch.response_ids.to(device), temperature)
-        entropy = dapo_loss.entropy_from_logits(logits, temperature) if with_entropy else None
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = dapo_loss.entropy_from_logits(logits, temperature)
         return logp, entropy
 
     def micro_batches(self, batch: SampleBatch, rows: torch.Tensor) -> list[tuple[torch.Tensor, SampleBatch]]:
@@ -140,62 +161,71 @@ class Learner:
     def update(self, batch: SampleBatch, advantages: torch.Tensor, step: int) -> dict[str, Any]:
         """Train on the step's samples: mini-batches of optimizer steps, micro-batches of backward.
 
-        Each learner owns a fixed, equal share of the rows; mini-batch m is the m-th slice of every
-        learner's share, and its loss is normalised by the whole mini-batch's token (or sequence)
-        count across learners, so neither micro-batching nor the number of learners changes it.
+        Each pass over the step draws one order of all rows and cuts it into mini-batches of
+        ``minibatch_sequences`` rows per learner; each mini-batch is dealt out to the learners in
+        turn and its loss normalised by its whole token (or sequence) count. So the mini-batches,
+        and the update, do not depend on the number of learners or of micro-batches.
         """
         cfg, learners, me = self.cfg, self.layout.num_learners, self.layout.learner_index
         self.policy.train()
         mask = batch.response_mask
-        perm = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step))
-        shares = [perm[i::learners] for i in range(learners)]
-        old_logp = self.logprobs_of(self.policy, batch, shares[me])
-        ref_logp = self.logprobs_of(self.ref_model, batch, shares[me]) if self.ref_model is not None else None
-        gap = (old_logp - batch.rollout_logp).abs()[shares[me]][mask[shares[me]]]
+        own = torch.arange(me, mask.shape[0], learners)  # the rows whose old log-probs this learner computes
+        old_logp = self.shared_logprobs(self.policy, batch, own)
+        ref_logp = self.shared_logprobs(self.ref_model, batch, own) if self.ref_model is not None else None
+        gap = (old_logp - batch.rollout_logp).abs()[own][mask[own]]
         is_weights = None
         if cfg.algo.tis_cap > 0:
             is_weights = torch.exp(old_logp - batch.rollout_logp).clamp(max=cfg.algo.tis_cap) * mask
+        per_row = StepTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights,
+                              length_ratio=dapo_loss.group_length_ratio(batch.response_lengths, batch.group_size))
         sums = dict.fromkeys(LOSS_METRICS, 0.0)
         grad_norms = []
         for epoch in range(cfg.optim.ppo_epochs):
-            order = torch.randperm(len(shares[me]), generator=step_generator(cfg.run.seed, step, epoch))
-            for parts in zip(*(share[order].split(self.derived.minibatch_sequences) for share in shares)):
-                references = {"old": old_logp, "ref": ref_logp, "is_weights": is_weights}
-                self.accumulate_minibatch(batch, advantages, parts, references, self.kl_coef_at(step), sums)
+            order = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step, epoch))
+            for minibatch in order.split(self.derived.minibatch_sequences * learners):
+                self.accumulate_minibatch(batch, per_row, minibatch, self.kl_coef_at(step), sums)
                 grad_norms.append(self.optimizer_step(step))
-        return self.reduce_metrics(sums, gap, grad_norms, kl_coef=self.kl_coef_at(step))
+        return self.reduce_metrics(sums, gap, grad_norms, kl_coef=self.kl_coef_at(step), lr=self.lr_at(step))
 
-    def accumulate_minibatch(self, batch: SampleBatch, advantages: torch.Tensor, parts: tuple[torch.Tensor, ...],
-                             references: dict[str, Optional[torch.Tensor]], kl_coef: float,
-                             sums: dict[str, float]) -> None:
-        """Backward over this learner's rows of one mini-batch (``parts``: every learner's rows)."""
+    def shared_logprobs(self, model: torch.nn.Module, batch: SampleBatch, own: torch.Tensor) -> torch.Tensor:
+        """[N, R] log-probs of every row under ``model``: each learner computes its ``own`` rows
+        and the learners exchange them (a sum with zeros elsewhere, so every value is exact), since
+        any row may land on any learner in a mini-batch."""
+        logp = self.logprobs_of(model, batch, own)
+        if self.layout.num_learners > 1:
+            with phase("update"):
+                logp = all_reduce_tensor(logp, self.groups.learners, self.plat.device)
+        return logp
+
+    def accumulate_minibatch(self, batch: SampleBatch, per_row: StepTensors, minibatch: torch.Tensor,
+                             kl_coef: float, sums: dict[str, float]) -> None:
+        """Backward over this learner's rows of one mini-batch (``minibatch``: every learner's rows)."""
         algo, learners = self.cfg.algo, self.layout.num_learners
-        rows, mask = parts[self.layout.learner_index], batch.response_mask
-        global_tokens = sum(int(mask[p].sum()) for p in parts)
-        normalizer = global_tokens if algo.loss_agg_mode == "token-mean" else sum(len(p) for p in parts)
+        rows = minibatch[self.layout.learner_index::learners]
+        tokens = int(batch.response_mask[minibatch].sum())
+        normalizer = tokens if algo.loss_agg_mode == "token-mean" else len(minibatch)
         for chunk, part in self.micro_batches(batch, rows):
             width = part.response_ids.shape[1]
             part_mask = part.response_mask.to(self.plat.device)
-            logp, entropy = self.sequence_logprobs(self.policy, part, with_entropy=True)
+            logp, entropy = self.sequence_logprobs(self.policy, part, with_entropy=True,
+                                                   entropy_grad=algo.entropy_coeff != 0)
             on_device = lambda t: t[chunk, :width].to(self.plat.device) if t is not None else None  # noqa: E731
             pg_loss, pg_metrics = dapo_loss.policy_loss(
-                logp, on_device(references["old"]), advantages[chunk].to(self.plat.device), part_mask,
+                logp, on_device(per_row.old_logp), per_row.advantages[chunk].to(self.plat.device), part_mask,
                 clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
                 clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode, normalizer=normalizer,
-                is_weights=on_device(references["is_weights"]))
+                is_weights=on_device(per_row.is_weights))
             entropy_term = dapo_loss.aggregate(entropy, part_mask, algo.loss_agg_mode, normalizer)
             loss = pg_loss - algo.entropy_coeff * entropy_term
-            share = len(chunk) / (len(rows) * learners)
-            if references["ref"] is not None:
-                kl = dapo_loss.aggregate(dapo_loss.kl_penalty(logp, on_device(references["ref"]), algo.kl_type),
+            share = int(part.response_mask.sum()) / tokens  # the metrics are means over tokens
+            if per_row.ref_logp is not None:
+                kl = dapo_loss.aggregate(dapo_loss.kl_penalty(logp, on_device(per_row.ref_logp), algo.kl_type),
                                          part_mask, algo.loss_agg_mode, normalizer)
                 loss = loss + kl_coef * kl
                 sums["kl"] += kl.item()
             if algo.length_penalty_coef:
-                # Normalised by the mini-batch's tokens, so the micro-batch terms add up to the
-                # penalty of the whole mini-batch (rho relative to its mean length).
-                penalty = dapo_loss.length_penalty(logp, part_mask, coef=algo.length_penalty_coef,
-                                                   normalizer=global_tokens)
+                penalty = dapo_loss.length_penalty(logp, part_mask, per_row.length_ratio[chunk].to(self.plat.device),
+                                                   coef=algo.length_penalty_coef, normalizer=normalizer)
                 loss = loss + penalty
                 sums["length_penalty"] += penalty.item()
             # FSDP averages gradients over learners, but each learner's loss is already its share
@@ -207,7 +237,7 @@ class Learner:
                 sums[key] += pg_metrics[key].item() * share
 
     def reduce_metrics(self, sums: dict[str, float], gap: torch.Tensor, grad_norms: list[float], *,
-                       kl_coef: float) -> dict[str, Any]:
+                       kl_coef: float, lr: float) -> dict[str, Any]:
         """The step's metrics, summed over learners and averaged over optimizer steps."""
         keys = list(sums)
         totals = [sums[k] for k in keys] + [float(gap.sum()), float(gap.numel())]
@@ -220,7 +250,7 @@ class Learner:
         result = {k: v / count for k, v in zip(keys, totals)}
         if self.ref_model is None:
             result["kl"] = None
-        result.update(grad_norm=sum(grad_norms) / count, kl_coef=kl_coef, lr=self.lr_at(self.optimizer_steps - 1),
+        result.update(grad_norm=sum(grad_norms) / count, kl_coef=kl_coef, lr=lr,
                       mismatch_mean=totals[-2] / max(totals[-1], 1.0), mismatch_max=gap_max)
         return result
 
@@ -235,7 +265,7 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             return 0.0
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.optimizer_steps)
+            group["lr"] = self.lr_at(step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1

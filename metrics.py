@@ -1,4 +1,7 @@
-"""Per-step metrics: metrics.csv, the console line, and the article's training alarms.
+"""What a run shows its user: metrics.csv (and the same scalars as TensorBoard curves), the
+console line, the article's training alarms, sample completions, and curves.png.
+
+    python metrics.py plot OUTPUT_DIR      # OUTPUT_DIR/curves.png from OUTPUT_DIR/metrics.csv
 
 The alarms are the article's rules of thumb (sections 4.2 and 5.4) turned into checks that
 print when they fire and are counted in metrics.csv, so a user does not have to stare at
@@ -6,12 +9,23 @@ curves to notice a run going wrong.
 """
 from __future__ import annotations
 
+import argparse
 import csv
+import importlib
+import json
 import math
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from config import RunConfig, UserError
+
+if TYPE_CHECKING:  # for annotations only: `python metrics.py plot` need not import torch
+    from samples import SampleBatch
 
 COLUMNS = [
     "step", "reward_mean", "reward_std", "acc_mean", "score_mean", "reward_malformed",
@@ -26,6 +40,20 @@ COLUMNS = [
 ]
 # Columns that measure wall time and so differ between otherwise identical runs.
 TIMING_COLUMNS = frozenset(c for c in COLUMNS if c.endswith("_s") or c in ("overlap", "gen_tokens_per_s"))
+# Every column but step (the x axis) as a TensorBoard tag GROUP/column, so related curves share a
+# section in TensorBoard.
+TENSORBOARD_GROUPS = {
+    "reward": ("reward_mean", "reward_std", "acc_mean", "score_mean", "reward_malformed"),
+    "length": ("response_length_mean", "response_length_max", "truncated_frac"),
+    "loss": ("policy_loss", "kl", "kl_coef", "entropy", "length_penalty"),
+    "policy": ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mismatch_mean", "mismatch_max"),
+    "optim": ("grad_norm", "lr", "optimizer_steps", "skipped_steps"),
+    "sampling": ("num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version"),
+    "val": ("val_reward_mean", "val_acc"),
+    "alarm": ("alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit"),
+    "timing": tuple(c for c in COLUMNS if c in TIMING_COLUMNS),
+}
+TENSORBOARD_TAGS = {column: f"{group}/{column}" for group, columns in TENSORBOARD_GROUPS.items() for column in columns}
 
 
 def log(message: str) -> None:
@@ -48,6 +76,22 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+def read_metrics(path: Path) -> list[dict[str, str]]:
+    """metrics.csv's rows as text, "" where a value is absent."""
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def check_report_to(report_to: Sequence[str]) -> None:
+    """Refuse at start-up, not at the first step, a reporter whose package is not installed."""
+    if "tensorboard" in report_to:
+        try:
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError:
+            raise UserError("report_to tensorboard needs the tensorboard package, which is not installed: "
+                            "pip install -e '.[tensorboard]'") from None
+
+
 class MetricsWriter:
     """Appends one row per training step to OUTPUT_DIR/metrics.csv (header written once)."""
 
@@ -63,6 +107,39 @@ class MetricsWriter:
         with self.path.open("a", newline="") as f:
             csv.writer(f).writerow([_format(row.get(c)) for c in COLUMNS])
             f.flush()
+
+
+class TensorBoardWriter:
+    """OUTPUT_DIR/tensorboard/: the metrics.csv rows as TensorBoard scalars, one tag per column."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir, self.writer = log_dir, None
+        self.rewrite([])
+
+    def rewrite(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Start the event files over with ``rows``. A resumed run redraws its curves from the
+        checkpoint's metrics.csv, so no step shows two values (TensorBoard keeps every event it
+        reads, and not every reader honours the purge markers a restarted writer leaves)."""
+        from torch.utils.tensorboard import SummaryWriter  # the optional extra, checked at start-up
+
+        self.close()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        self.writer = SummaryWriter(str(self.log_dir))
+        for row in rows:
+            self.write(row)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One row: its values as metrics.csv gets them, or as text read back from it."""
+        step = int(row["step"])
+        for column, value in row.items():
+            if column != "step" and value is not None and value != "":
+                self.writer.add_scalar(TENSORBOARD_TAGS[column], float(value), step)
+        self.writer.flush()  # TensorBoard shows a step as soon as metrics.csv has it
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def console_line(row: dict[str, Any]) -> str:
@@ -144,23 +221,90 @@ class AlarmMonitor:
         return [message for _, message in fired]
 
 
-class StepReporter:
-    """What the lead learner shows the user each step: the metrics.csv row, the console line,
-    and the alarms (printed when they fire, counted in the row)."""
+class CompletionLog:
+    """OUTPUT_DIR/completions.jsonl: the first ``prompts`` prompts of a step, one line each, with the
+    reference answer and every response, decoded, with its reward, raw score and advantage, so a
+    user can read what the model writes."""
 
-    def __init__(self, path: Path, *, log_every: int, max_steps: int, length_alarm_steps: int,
-                 overfit_alarm_checks: int, append: bool) -> None:
-        self.log_every, self.max_steps = log_every, max_steps
-        self.alarms = AlarmMonitor(length_rising_steps=length_alarm_steps, overfit_checks=overfit_alarm_checks)
-        # A fresh start begins a new metrics.csv; a resumed one continues the checkpoint's copy.
-        self.metrics = MetricsWriter(path, append=append)
+    def __init__(self, path: Path, *, prompts: int, tokenizer: Any, reference_answers: Sequence[Optional[str]],
+                 advantages: Callable[["SampleBatch"], Any], append: bool) -> None:
+        self.path, self.prompts, self.tokenizer = path, prompts, tokenizer
+        self.reference_answers, self.advantages = reference_answers, advantages
+        self.latest: Optional[dict[str, Any]] = None  # the newest entry, for the console
+        if not append:
+            path.unlink(missing_ok=True)  # a fresh start, like metrics.csv's
+
+    def record(self, step: int, batch: "SampleBatch") -> None:
+        groups = min(self.prompts, batch.num_groups)
+        if not groups:
+            return
+        advantages = self.advantages(batch).tolist()  # over the whole batch, as training saw them
+        entries = [self._entry(step, batch, group, advantages) for group in range(groups)]
+        with self.path.open("a") as f:
+            f.writelines(json.dumps(entry) + "\n" for entry in entries)
+        self.latest = entries[0]
+
+    def _entry(self, step: int, batch: "SampleBatch", group: int, advantages: list[float]) -> dict[str, Any]:
+        rows = range(group * batch.group_size, (group + 1) * batch.group_size)
+        responses = [{"text": self._decode(batch.response_ids[r], batch.response_mask[r]),
+                      "reward": round(float(batch.reward[r]), 4), "score": round(float(batch.score[r]), 4),
+                      "advantage": round(advantages[r], 4), "length": int(batch.response_mask[r].sum()),
+                      "truncated": bool(batch.truncated[r]), "weight_version": int(batch.version[r])} for r in rows]
+        return {"step": step, "prompt": self._decode(batch.prompt_ids[rows[0]], batch.prompt_mask[rows[0]]),
+                "answer": self.reference_answers[int(batch.prompt_index[rows[0]])], "responses": responses}
+
+    def _decode(self, ids: Any, mask: Any) -> str:
+        # Special tokens stay: the chat template and the stop token are part of what the model read and wrote.
+        return self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False)
+
+    def drop_after(self, step: int) -> None:
+        """A resumed run: forget the entries of the steps after its checkpoint, which it trains again."""
+        if self.path.exists():
+            lines = self.path.read_text().splitlines(keepends=True)
+            self.path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+
+    def console_sample(self) -> Optional[str]:
+        """The newest entry's first response on one line (newlines escaped), prompt cut to its end."""
+        if self.latest is None:
+            return None
+        prompt, response = self.latest["prompt"], self.latest["responses"][0]
+        prompt = prompt if len(prompt) <= 120 else "..." + prompt[-117:]
+        text = response["text"] if len(response["text"]) <= 200 else response["text"][:197] + "..."
+        return (f"sample from step {self.latest['step']}: {prompt!r} -> {text!r} "
+                f"(reward {response['reward']:+.3f}, advantage {response['advantage']:+.3f})")
+
+
+class StepReporter:
+    """What the lead learner shows the user: each step's metrics.csv row (and TensorBoard scalars),
+    the console line, the alarms (printed when they fire, counted in the row), sample completions
+    at every logged step, and curves.png at every validation and at the end."""
+
+    def __init__(self, run: RunConfig, *, tokenizer: Any, reference_answers: Sequence[Optional[str]],
+                 advantages: Callable[["SampleBatch"], Any], append: bool) -> None:
+        self.out_dir = Path(run.output_dir)
+        self.log_every, self.max_steps = run.log_every, run.max_steps
+        self.alarms = AlarmMonitor(length_rising_steps=run.length_alarm_steps, overfit_checks=run.overfit_alarm_checks)
+        # A fresh start begins a new metrics.csv; a resumed one continues the checkpoint's copy,
+        # and redraws its TensorBoard curves from it in restore().
+        self.metrics = MetricsWriter(self.out_dir / "metrics.csv", append=append)
+        self.curves = TensorBoardWriter(self.out_dir / "tensorboard") if "tensorboard" in run.report_to else None
+        self.completions = CompletionLog(self.out_dir / "completions.jsonl", prompts=run.log_completions,
+                                         tokenizer=tokenizer, reference_answers=reference_answers,
+                                         advantages=advantages, append=append)
         self.train_rewards_since_val: list[float] = []
 
-    def observe_step(self, step: int, row: dict[str, Any]) -> None:
+    def logs(self, step: int) -> bool:
+        """Whether ``step`` is shown on the console and in completions.jsonl."""
+        return step == 0 or step % self.log_every == 0 or step == self.max_steps
+
+    def observe_step(self, step: int, row: dict[str, Any], batch: "SampleBatch") -> None:
+        """The step's alarms, from its row so far, and its sample completions when it is logged."""
         for message in self.alarms.observe_step(kl=row.get("kl"), length=row["response_length_mean"],
                                                 reward_std=row["reward_std"]):
             warn(f"ALARM step {step}: {message}")
         self.train_rewards_since_val.append(row["reward_mean"])
+        if self.logs(step):
+            self.completions.record(step, batch)
 
     def observe_validation(self, row: dict[str, Any], *, val_reward: float, val_acc: Optional[float]) -> None:
         row.update(val_reward_mean=val_reward, val_acc=val_acc)
@@ -171,18 +315,139 @@ class StepReporter:
         self.train_rewards_since_val = []
 
     def write(self, row: dict[str, Any]) -> None:
-        if row["step"] > 0:
+        """The finished row everywhere it goes; at validation a sample completion and the pictures."""
+        step, validated = row["step"], row.get("val_reward_mean") is not None
+        if step > 0:
             row.update(self.alarms.counts)
         self.metrics.write(row)
-        step = row["step"]
-        if step == 0 or step % self.log_every == 0 or step == self.max_steps:
+        if self.curves is not None:
+            self.curves.write(row)
+        if self.logs(step):
             log(console_line(row))
+        if validated and (sample := self.completions.console_sample()):
+            log(sample)
+        if step > 0 and (validated or step == self.max_steps):  # step 0 alone would be an empty picture
+            plot_curves(self.out_dir)
+        if step == self.max_steps and self.curves is not None:
+            self.curves.close()  # the run's last row
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of this (metrics.csv itself is copied whole)."""
         return {"alarms": self.alarms.history(), "train_rewards_since_val": list(self.train_rewards_since_val)}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: dict[str, Any], metrics_csv: Path) -> None:
+        """Continue from a checkpoint: its trainer ``state`` and its copy of metrics.csv, which
+        replaces the run's (dropping rows of steps after the checkpoint, as the curves and
+        completions.jsonl drop them)."""
         self.alarms.restore(state["alarms"])
         self.train_rewards_since_val = state["train_rewards_since_val"]
+        shutil.copyfile(metrics_csv, self.metrics.path)
+        if self.curves is not None:
+            self.curves.rewrite(read_metrics(self.metrics.path))
+        self.completions.drop_after(state["step"])
+
+
+# ----- curves.png -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Panel:
+    """One picture of curves.png: (column, legend label) pairs on the left y axis and, for values
+    of another scale, on a right one."""
+
+    title: str
+    left: tuple[tuple[str, str], ...]
+    right: tuple[tuple[str, str], ...] = ()
+
+
+PANELS = (
+    Panel("reward and accuracy", (("reward_mean", "train reward"), ("acc_mean", "train accuracy"),
+                                  ("val_reward_mean", "val reward"), ("val_acc", "val accuracy"))),
+    Panel("response length (tokens)", (("response_length_mean", "mean"), ("response_length_max", "max"))),
+    Panel("entropy and KL", (("entropy", "entropy"),),
+          (("kl", "KL to reference (right)"), ("ppo_kl", "KL old -> new policy (right)"))),
+    Panel("clip fractions (of tokens)", (("pg_clipfrac", "ratio clipped"), ("pg_clipfrac_lower", "dual clip"))),
+    Panel("step time (s)", (("step_time_s", "step"), ("gen_time_s", "generation"), ("train_time_s", "train"),
+                            ("sync_time_s", "weight sync"))),
+    Panel("loss and gradient norm", (("policy_loss", "policy loss"),), (("grad_norm", "grad norm (right)"),)),
+)
+
+
+def _series(rows: list[dict[str, str]], column: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the rows where ``column`` has a value."""
+    points = [(float(row["step"]), float(row[column])) for row in rows if row.get(column)]
+    return tuple(np.array(points).T) if points else (np.empty(0), np.empty(0))
+
+
+def _trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Each value averaged with up to ``window - 1`` before it."""
+    sums = np.concatenate([[0.0], np.cumsum(values)])
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(0, ends - window)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def _draw(axes: Any, rows: list[dict[str, str]], series: tuple[tuple[str, str], ...], *, first_color: int,
+          window: int) -> list[Any]:
+    """Each series as a line: a faint one of every value under the trailing mean over ``window``
+    steps where there are many values, a marker on each where there are few (validation, short
+    runs), so series that coincide stay apart. Returns the legend handles."""
+    handles = []
+    for index, (column, label) in enumerate(series):
+        steps, values = _series(rows, column)
+        if not len(values):
+            continue
+        color, marker = f"C{first_color + index}", "os^D"[(first_color + index) % 4] if len(values) <= 40 else None
+        if window > 1 and len(values) > 2 * window:
+            axes.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+            values = _trailing_mean(values, window)
+        handles += axes.plot(steps, values, color=color, label=label, marker=marker, markersize=5)
+    return handles
+
+
+def plot_curves(out_dir: Path) -> Path:
+    """OUTPUT_DIR/curves.png: the curves a user watches, drawn from OUTPUT_DIR/metrics.csv."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    rows = read_metrics(out_dir / "metrics.csv")
+    window = len(rows) // 40  # about 40 independent points across the run
+    figure = Figure(figsize=(16, 9))
+    FigureCanvasAgg(figure)  # the Agg backend by name: training machines have no display
+    # Fixed margins, with room for the right-hand axes: a layout engine would double the drawing time.
+    figure.subplots_adjust(left=0.05, right=0.95, bottom=0.07, top=0.92, wspace=0.3, hspace=0.3)
+    for axes, panel in zip(figure.subplots(2, 3).flatten(), PANELS):
+        handles = _draw(axes, rows, panel.left, first_color=0, window=window)
+        if panel.right:
+            handles += _draw(axes.twinx(), rows, panel.right, first_color=len(panel.left), window=window)
+        axes.set_title(panel.title)
+        axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.grid(alpha=0.3)
+        if handles:
+            axes.legend(handles=handles, fontsize=8, loc="best")
+        else:
+            axes.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=axes.transAxes)
+    smoothing = f" (faint: every step; bold: mean of the last {window} steps)" if window > 1 else ""
+    figure.suptitle(f"{out_dir.name}: step {rows[-1]['step'] if rows else 'none yet'}{smoothing}")
+    path = out_dir / "curves.png"
+    figure.savefig(path, dpi=80)
+    return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="metrics.py", description="Pictures of a run's metrics.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plot = commands.add_parser("plot", help="write OUTPUT_DIR/curves.png from OUTPUT_DIR/metrics.csv")
+    plot.add_argument("output_dir", type=Path)
+    args = parser.parse_args(argv)
+    if not (args.output_dir / "metrics.csv").is_file():
+        sys.stderr.write(f"error: {args.output_dir / 'metrics.csv'}: no such file (not a run's output_dir?)\n")
+        return 2
+    log(f"wrote {plot_curves(args.output_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 

@@ -309,6 +309,13 @@ def gather_json(value: Any, dst: int, group: dist.ProcessGroup, device: torch.de
     return [json.loads(bytes(t[: int(n)].cpu().tolist())) for t, n in zip(received, sizes)]
 
 
+def all_reduce_tensor(tensor: torch.Tensor, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """The sum over the group of a host tensor, through ``device`` (NCCL/HCCL reduce device memory)."""
+    on_device = tensor.to(device)
+    dist.all_reduce(on_device, group=group)
+    return on_device.to(tensor.device)
+
+
 def all_reduce_max(value: float, group: dist.ProcessGroup, device: torch.device) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

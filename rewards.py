@@ -9,6 +9,7 @@ by its single logit. Overlong reward shaping is not applied here: the trainer ad
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -16,8 +17,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import torch
+
+from config import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +47,15 @@ class RewardRule:
 
     needs_answer: the rule compares against a reference answer, so a prompt without one is a
     data error (raised by `score_with_rule`), not a model failure to be scored as wrong.
+    requires: (module, project extra) of an optional package the rule imports, so that
+    `resolve_rule` refuses the rule at start-up where it is not installed.
     """
 
     name: str
     fn: RuleFn
     wrong_score: float
     needs_answer: bool = False
+    requires: tuple[str, str] | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,14 +153,61 @@ def demo_arithmetic(response: str, answer: str | None) -> tuple[float, bool]:
     return (1.0 if correct else 0.0), correct
 
 
+# ---------------------------------------------------------------------------------------
+# math_verify: equivalence judged by the math-verify package (LaTeX, fractions, sets, \boxed{})
+
+
+@functools.lru_cache(maxsize=4096)  # each reference is scored sample_num times per step
+def _parsed_reference(answer: str) -> list[Any]:
+    from math_verify import parse
+
+    return parse(f"${answer}$")  # as LaTeX math, so "\frac{1}{2}" and "1/2" both parse
+
+
+def math_verify_answer(response: str, answer: str | None) -> tuple[float, bool]:
+    r"""+1.0 if math-verify judges the response's final answer (the last \boxed{}, else the last
+    expression it recognises) equivalent to the reference, else -1.0.
+
+    Raises MalformedResponse when it finds no answer in the response. math-verify itself gives up
+    (no parse, or not equivalent) on input it cannot handle or that takes too long; its time limit
+    is a SIGALRM, so it must run in the main thread, as rollout scores.
+    """
+    from math_verify import parse, verify
+
+    if answer is None:
+        raise ValueError("math_verify needs a reference answer")
+    reference = _parsed_reference(answer)
+    if not reference:
+        raise ValueError(f"math-verify cannot parse the reference answer {answer!r}")
+    extracted = parse(response)
+    if not extracted:
+        raise MalformedResponse("math-verify found no answer")
+    correct = bool(verify(reference, extracted))
+    return (1.0 if correct else -1.0), correct
+
+
 BUILTIN_RULES: dict[str, RewardRule] = {
     "demo_arithmetic": RewardRule("demo_arithmetic", demo_arithmetic, wrong_score=0.0, needs_answer=True),
     "math_answer": RewardRule("math_answer", math_answer, wrong_score=-1.0, needs_answer=True),
+    "math_verify": RewardRule("math_verify", math_verify_answer, wrong_score=-1.0, needs_answer=True,
+                              requires=("math_verify", "math")),
 }
 
 
+def _check_installed(rule: RewardRule) -> RewardRule:
+    if rule.requires is not None:
+        module, extra = rule.requires
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise UserError(f"reward_fn {rule.name} needs the {module} package, which is not installed: "
+                            f"pip install -e '.[{extra}]'") from None
+    return rule
+
+
 def resolve_rule(name: str) -> RewardRule:
-    """A built-in rule by name, or a user's `module:function`.
+    """A built-in rule by name, or a user's `module:function`; UserError (one line naming
+    reward_fn) when it cannot be used.
 
     A user's function takes (response_text, reference_answer_or_None) and returns
     (score, correct). Its score for responses on which it raises is the function's
@@ -162,24 +216,24 @@ def resolve_rule(name: str) -> RewardRule:
     if ":" not in name:
         if name not in BUILTIN_RULES:
             builtins = ", ".join(sorted(BUILTIN_RULES))
-            raise ValueError(f"unknown reward_fn {name!r} (built-ins: {builtins}; or module:function)")
-        return BUILTIN_RULES[name]
+            raise UserError(f"unknown reward_fn {name!r} (built-ins: {builtins}; or module:function)")
+        return _check_installed(BUILTIN_RULES[name])
 
     module_name, _, attr_name = name.partition(":")
     if not module_name or not attr_name:
-        raise ValueError(f"reward_fn {name!r}: expected module:function")
+        raise UserError(f"reward_fn {name!r}: expected module:function")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # a user's module may fail to import in any way (SyntaxError, ...)
-        raise ValueError(f"reward_fn {name!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise UserError(f"reward_fn {name!r}: cannot import module {module_name!r}: {exc}") from None
     fn = getattr(module, attr_name, None)
     if fn is None:
-        raise ValueError(f"reward_fn {name!r}: module {module_name!r} has no attribute {attr_name!r}")
+        raise UserError(f"reward_fn {name!r}: module {module_name!r} has no attribute {attr_name!r}")
     if not callable(fn):
-        raise ValueError(f"reward_fn {name!r}: {attr_name!r} is not callable")
+        raise UserError(f"reward_fn {name!r}: {attr_name!r} is not callable")
     wrong_score = getattr(fn, "wrong_score", 0.0)
     if isinstance(wrong_score, bool) or not isinstance(wrong_score, (int, float)):
-        raise ValueError(f"reward_fn {name!r}: wrong_score must be a number, got {wrong_score!r}")
+        raise UserError(f"reward_fn {name!r}: wrong_score must be a number, got {wrong_score!r}")
     return RewardRule(name, fn, wrong_score=float(wrong_score))
 
 

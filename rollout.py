@@ -12,6 +12,7 @@ import inspect
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -28,6 +29,16 @@ try:  # a progress bar is a nicety, not a dependency of the math
     from tqdm import tqdm
 except ImportError:  # pragma: no cover
     tqdm = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn: from softmax(logits / temperature) cut to the top_p nucleus,
+    or the most likely one (greedy; the recorded log-probs still use the temperature)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,9 +92,7 @@ def generate(
     max_new_tokens: int,
     stop_ids: Sequence[int],
     pad_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
+    sampling: Sampling = Sampling(),
     generator: Optional[torch.Generator] = None,
     progress: bool = False,
 ) -> Generation:
@@ -109,9 +118,9 @@ def generate(
     for _ in steps:
         out = model(input_ids=next_input, attention_mask=attention, position_ids=positions,
                     use_cache=True, logits_to_keep=1, **{cache_key: cache})
-        logits = out.logits[:, -1, :].float() / temperature
+        logits = out.logits[:, -1, :].float() / sampling.temperature
         logp_all = logits.log_softmax(-1)
-        token = _choose_token(logits, greedy=greedy, top_p=top_p, generator=generator)
+        token = _choose_token(logits, greedy=sampling.greedy, top_p=sampling.top_p, generator=generator)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
         logps.append(logp_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0))
@@ -184,11 +193,32 @@ def make_reward_source(reward_fn: str, reward_model: Optional[str], device: torc
                         has_correct=True)
 
 
+def check_rollout_inputs(cfg: Config) -> None:
+    """Refuse (UserError) before any model loads what would otherwise stop the rollout later: FP8
+    weights, a reward_fn that does not resolve or lacks its package, stop ids the policy can never
+    emit."""
+    from rewards import resolve_rule
+
+    if cfg.model.rollout_dtype == "fp8":
+        raise UserError("rollout_dtype fp8 is not supported yet in this build; use bf16 or fp32")
+    if not cfg.model.reward_model:
+        resolve_rule(cfg.model.reward_fn)
+    model_config = Path(cfg.model.model_path) / "config.json"
+    if cfg.model.eos_token_ids and model_config.is_file():  # without one, load_run_inputs names the folder
+        from transformers import AutoConfig
+
+        vocab_size = AutoConfig.from_pretrained(model_config.parent, local_files_only=True).get_text_config().vocab_size
+        outside = [token for token in cfg.model.eos_token_ids if not 0 <= token < vocab_size]
+        if outside:
+            raise UserError(f"eos_token_ids: {outside[0]} is outside the vocabulary of model_path "
+                            f"{cfg.model.model_path} ({vocab_size} ids, 0 to {vocab_size - 1})")
+
+
 class RolloutWorker:
     """Turns prompt rows into scored, group-contiguous samples with the rollout copy of the policy."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, reward: RewardSource, *, device: torch.device,
-                 stop_ids: Sequence[int], max_response_length: int, temperature: float, top_p: float,
+                 stop_ids: Sequence[int], max_response_length: int, sampling: Sampling,
                  overlong_buffer_len: int, overlong_penalty_factor: float, bucket_size: int) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -197,16 +227,17 @@ class RolloutWorker:
         self.stop_ids = list(stop_ids)
         self.pad_id = tokenizer.pad_token_id
         self.max_response_length = max_response_length
-        self.temperature = temperature
-        self.top_p = top_p
+        self.sampling = sampling
         self.overlong_buffer_len = overlong_buffer_len
         self.overlong_penalty_factor = overlong_penalty_factor
         self.bucket_size = bucket_size
 
     def rollout(self, prompt_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str],
                 answers: Sequence[Optional[str]], prompt_index: Sequence[int], *, group_size: int,
-                version: int, generator: Optional[torch.Generator], greedy: bool = False) -> tuple[SampleBatch, Scored]:
-        """Generate ``group_size`` responses for each prompt and score them."""
+                version: int, generator: Optional[torch.Generator],
+                sampling: Optional[Sampling] = None) -> tuple[SampleBatch, Scored]:
+        """Generate ``group_size`` responses for each prompt and score them (``sampling``: the
+        worker's own, for training, unless given)."""
         repeat = lambda seq: [item for item in seq for _ in range(group_size)]  # noqa: E731
         rows = repeat(prompt_ids)
         # Pad to the bucket's bound, not the batch's own maximum, so generation sees few distinct
@@ -216,7 +247,7 @@ class RolloutWorker:
         gen = generate(
             self.model, ids.to(self.device), mask.to(self.device),
             max_new_tokens=self.max_response_length, stop_ids=self.stop_ids, pad_id=self.pad_id,
-            temperature=self.temperature, top_p=self.top_p, greedy=greedy, generator=generator, progress=True,
+            sampling=sampling or self.sampling, generator=generator, progress=True,
         )
         gen = Generation(*(t.cpu() for t in (gen.response_ids, gen.response_mask, gen.logp, gen.truncated)))
         texts = self.decode(gen.response_ids, gen.response_mask)
@@ -291,8 +322,9 @@ class Rollout:
         self.worker = RolloutWorker(
             self.model, tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device),
             device=plat.device, stop_ids=sorted({tokenizer.eos_token_id, *cfg.model.eos_token_ids}),
-            max_response_length=cfg.rollout.max_response_length, temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p, overlong_buffer_len=cfg.algo.overlong_buffer_len,
+            max_response_length=cfg.rollout.max_response_length,
+            sampling=Sampling(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p),
+            overlong_buffer_len=cfg.algo.overlong_buffer_len,
             overlong_penalty_factor=cfg.algo.overlong_penalty_factor, bucket_size=cfg.data.bucket_size)
         self.prompts = PromptStream([len(p) for p in train_set.prompt_ids], cfg.rollout.prompts_per_step,
                                     cfg.data.bucket_size, cfg.run.seed)
@@ -315,15 +347,18 @@ class Rollout:
     def validation_sums(self) -> list[float]:
         """[reward sum, correct count, prompts] over this rank's share of the val set (greedy unless
         val_temperature > 0)."""
-        val = self.val_set
-        limit = self.cfg.rollout.val_max_prompts or len(val.prompt_ids)
+        val, settings = self.val_set, self.cfg.rollout
+        greedy = settings.val_temperature == 0
+        sampling = Sampling(temperature=1.0 if greedy else settings.val_temperature, top_p=settings.val_top_p,
+                            greedy=greedy)
+        limit = settings.val_max_prompts or len(val.prompt_ids)
         mine = list(range(limit))[self.shard_index::self.num_shards]
         sums = [0.0, 0.0, 0.0]
         for start in range(0, len(mine), self.val_batch_size):
             rows = mine[start:start + self.val_batch_size]
             batch, _ = self.worker.rollout(
                 [val.prompt_ids[r] for r in rows], [val.prompt_texts[r] for r in rows], [val.answers[r] for r in rows],
-                rows, group_size=1, version=self.weight_version, greedy=self.cfg.rollout.val_temperature == 0,
+                rows, group_size=1, version=self.weight_version, sampling=sampling,
                 generator=step_generator(self.cfg.run.seed, -1, self.weight_version, start))
             sums = [sums[0] + batch.reward.sum().item(), sums[1] + batch.correct.sum().item(), sums[2] + len(rows)]
         return sums
@@ -356,8 +391,8 @@ class DynamicSampler:
     pooled until ``prompts_per_step`` informative groups are in; surplus groups wait for the next
     step. Every sample not yet trained on lives here, so a checkpoint saves it from here."""
 
-    def __init__(self, cfg: RolloutConfig, reports_acc: bool) -> None:
-        self.cfg, self.reports_acc = cfg, reports_acc
+    def __init__(self, cfg: RolloutConfig, metric: str, reports_acc: bool) -> None:
+        self.cfg, self.metric, self.reports_acc = cfg, metric, reports_acc
         self.pool = GroupPool()
         self.collected_ahead: Optional[tuple[SampleBatch, dict[str, Any]]] = None  # restored from a checkpoint
 
@@ -377,7 +412,7 @@ class DynamicSampler:
             malformed, gen_time = malformed + bad, gen_time + seconds
             for batch in pieces:
                 generated.append(batch)
-                self.pool.add(batch.select_groups(keep_informative(batch, cfg.dynamic_sampling_metric))
+                self.pool.add(batch.select_groups(keep_informative(batch, self.metric))
                               if cfg.dynamic_sampling else batch)
             full = self.pool.num_groups >= target
             if not full and cfg.max_gen_batches and gen_batches >= cfg.max_gen_batches:
@@ -395,7 +430,7 @@ class DynamicSampler:
     def generation_stats(self, generated: list[SampleBatch], *, malformed: int, gen_time: float) -> dict[str, Any]:
         """What was sampled, before the dynamic-sampling filter."""
         everything = SampleBatch.concat(generated)
-        informative = sum(len(keep_informative(b, self.cfg.dynamic_sampling_metric)) for b in generated)
+        informative = sum(len(keep_informative(b, self.metric)) for b in generated)
         return {
             "informative_frac": informative / everything.num_groups,
             "reward_malformed": malformed,

@@ -27,10 +27,10 @@ from config import Config, Derived, Schedule, UserError, load_config, warnings_f
 from data_prep import load_run_inputs
 from device import DTYPES, Platform, seed_everything, select_platform, write_env_report
 from learner import Learner, load_model
-from metrics import StepReporter, log, warn
+from metrics import StepReporter, check_report_to, log, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum,
                    broadcast_samples, init_world, phase, report_phase_on_sigterm)
-from rollout import DynamicSampler, Generated, Rollout
+from rollout import DynamicSampler, Generated, Rollout, check_rollout_inputs
 from samples import SampleBatch
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
@@ -86,10 +86,10 @@ class Trainer:
             self.samples = SampleChannel(layout, groups, plat.device, cfg.rollout.sample_num)
         self.sampler, self.report = None, None  # the lead's
         if lead:
-            self.sampler = DynamicSampler(cfg.rollout, reports_acc=not cfg.model.reward_model)
-            self.report = StepReporter(self.out_dir / "metrics.csv", log_every=cfg.run.log_every,
-                                       max_steps=cfg.run.max_steps, length_alarm_steps=cfg.run.length_alarm_steps,
-                                       overfit_alarm_checks=cfg.run.overfit_alarm_checks, append=resume is not None)
+            self.sampler = DynamicSampler(cfg.rollout, derived.dynamic_sampling_metric,
+                                          reports_acc=not cfg.model.reward_model)
+            self.report = StepReporter(cfg.run, tokenizer=self.tokenizer, reference_answers=self.train_set.answers,
+                                       advantages=self.compute_advantages, append=resume is not None)
         self.pending_rows: dict[int, dict[str, Any]] = {}  # the lead's rows, finished when their weights go out
         self.checkpoints = ckpt.Checkpointer(cfg, plat, layout, groups, fingerprint=self.fingerprint,
                                              tokenizer=self.tokenizer, learner=self.learner, rollout=self.rollout,
@@ -166,7 +166,7 @@ class Trainer:
             row = {**row, **self.learn(step, batch)}
             if lead:
                 now, train_time = time.perf_counter(), time.perf_counter() - train_start
-                self.report.observe_step(step, row)
+                self.report.observe_step(step, row, batch)
                 row.update(step=step, weight_version=step, train_time_s=train_time, step_time_s=now - last_end,
                            save_time_s=save_time, overlap=(row["gen_time_s"] + train_time) / (now - last_end))
                 last_end = now
@@ -248,14 +248,14 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     groups = None
     try:
         cfg = load_config(argv)
-        if cfg.model.rollout_dtype == "fp8":
-            raise UserError("rollout_dtype fp8 is not supported yet in this build; use bf16 or fp32")
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         derived = Derived.of(cfg, world_size)
         layout = Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                         num_learners=derived.num_learner_ranks)
         lead = layout.is_lead
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        check_rollout_inputs(cfg)  # before any model loads and before output_dir is written
+        check_report_to(cfg.run.report_to)
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
 
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log

@@ -18,6 +18,7 @@ from dapo_loss import (
     aggregate,
     entropy_from_logits,
     group_advantages,
+    group_length_ratio,
     informative_groups,
     kl_penalty,
     length_penalty,
@@ -400,30 +401,47 @@ def test_overlong_penalty_boundaries():
         overlong_penalty(lengths, max_response_length=20, buffer_len=21, penalty_factor=1.0)
 
 
-def test_length_penalty_value_and_gradient():
-    # Lengths 1 and 3: mean 2, rho = [0.5, 1.5]; masked means -1 and (-2-4-6)/3 = -4.
-    # value = coef * (0.5 * -1 + 1.5 * -4) / 2 = -3.25 coef. The garbage 99s are masked.
-    logp = torch.tensor([[-1.0, 99.0, 99.0], [-2.0, -4.0, -6.0]], requires_grad=True)
+def test_group_length_ratio_hand_worked():
+    # Group 1 lengths [1, 3]: mean 2, rho [0.5, 1.5]. Group 2 [4, 4]: rho [1, 1]. Group 3 [0, 0]: 0, not NaN.
+    rho = group_length_ratio(torch.tensor([1, 3, 4, 4, 0, 0]), group_size=2)
+    assert rho.dtype == torch.float32
+    assert torch.equal(rho, torch.tensor([0.5, 1.5, 1.0, 1.0, 0.0, 0.0]))
+    assert torch.equal(group_length_ratio(torch.tensor([2, 6]), group_size=1), torch.ones(2))  # its own mean
+    with pytest.raises(ValueError, match="group_size"):
+        group_length_ratio(torch.tensor([1, 2, 3]), group_size=2)
+
+
+def test_length_penalty_value_and_gradient_hand_worked():
+    # One group, lengths 1 and 3: rho [0.5, 1.5]. Summed log-probs -1 and -2-4-6 = -12; 4 tokens.
+    # value = coef * ((0.5 - 1) * -1 + (1.5 - 1) * -12) / 4 = coef * (0.5 - 6) / 4 = -1.375 coef.
+    # The 99s sit at masked positions and must not count.
+    logp = torch.tensor([[-1.0, 99.0, 99.0], [-2.0, -4.0, -6.0]], dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
-    value = length_penalty(logp, mask, coef=0.1)
-    assert_close(value, torch.tensor(-0.325))
+    rho = group_length_ratio(mask.sum(-1), group_size=2)
+    value = length_penalty(logp, mask, rho, coef=0.1)
+    assert_close(value, torch.tensor(-0.1375, dtype=torch.float64), rtol=1e-12, atol=0)
     value.backward()
-    grad = logp.grad
-    assert torch.equal(grad[mask == 0], torch.zeros(2))
-    # d/dlogp = coef * rho_i / (N |o_i|) = coef / total tokens = 0.1 / 4 for every valid token,
-    # so the push on a response's log-probability (its summed gradient) is proportional to its
-    # length: 3x larger for the 3-token response than for the 1-token one.
-    assert_close(grad[mask == 1], torch.full((4,), 0.025))
-    assert_close(grad[1].sum(), 3 * grad[0].sum())
-    # Without rho (plain seq-mean of token means) each response would get the same total push.
-    logp.grad = None
-    aggregate(logp, mask, "seq-mean-token-mean").backward()
-    assert_close(logp.grad[1].sum(), logp.grad[0].sum())
+    # d value / d logp[i, t] = coef * (rho_i - 1) / N on valid tokens, 0 on padding.
+    expected = torch.tensor([[-0.5, 0, 0], [0.5, 0.5, 0.5]], dtype=torch.float64) * 0.1 / 4
+    assert_close(logp.grad, expected, rtol=1e-12, atol=0)
+
+
+def test_length_penalty_pushes_long_responses_down_and_short_ones_up():
+    # A gradient step on the penalty (minimising it) moves each response's summed log-probability
+    # against (rho - 1): the longer-than-average response loses, the shorter one gains, and a
+    # group of equal lengths is left alone.
+    lengths = torch.tensor([2, 6, 4, 4])
+    mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
+    logp = torch.full((4, 6), -1.0, requires_grad=True)
+    length_penalty(logp, mask, group_length_ratio(lengths, group_size=2), coef=1.0).backward()
+    push = -(logp.grad * mask).sum(-1)  # the change of each summed log-prob under gradient descent
+    assert push[0] > 0 > push[1]
+    assert torch.equal(push[2:], torch.zeros(2))
 
 
 def test_length_penalty_with_empty_rows_is_finite():
     logp = torch.full((2, 3), float("nan"), requires_grad=True)
-    value = length_penalty(logp, torch.zeros(2, 3), coef=1.0)
+    value = length_penalty(logp, torch.zeros(2, 3), torch.tensor([0.5, 1.5]), coef=1.0)
     value.backward()
     assert value.item() == 0.0
     assert torch.equal(logp.grad, torch.zeros(2, 3))
@@ -555,17 +573,19 @@ def test_logprobs_and_entropy_peak_memory_is_bounded_for_qwen3_vocabulary():
 
 
 @pytest.mark.parametrize("pieces", [1, 2, 4])
-def test_length_penalty_split_with_global_normalizer_matches_whole_batch(pieces):
+def test_length_penalty_split_with_the_minibatch_normalizer_matches_whole_batch(pieces):
     gen = torch.Generator().manual_seed(11)
     logp = -torch.rand(8, 6, generator=gen, dtype=torch.float64)
     lengths = torch.tensor([1, 6, 2, 5, 3, 4, 6, 1])
     mask = (torch.arange(6)[None, :] < lengths[:, None]).to(torch.float64)
+    rho = group_length_ratio(lengths, group_size=4)  # once, on the whole batch
     whole_logp = logp.clone().requires_grad_(True)
-    whole = length_penalty(whole_logp, mask, coef=0.7)
+    whole = length_penalty(whole_logp, mask, rho, coef=0.7)
     whole.backward()
     split_logp = logp.clone().requires_grad_(True)
-    total = sum(length_penalty(part, m, coef=0.7, normalizer=mask.sum())
-                for part, m in zip(split_logp.chunk(pieces), mask.chunk(pieces)))
+    total = sum(length_penalty(part, m, r, coef=0.7, normalizer=mask.sum())
+                for part, m, r in zip(split_logp.chunk(pieces), mask.chunk(pieces), rho.chunk(pieces)))
     total.backward()
-    assert_close(total, whole)
-    assert_close(split_logp.grad, whole_logp.grad)
+    assert_close(total, whole, rtol=1e-12, atol=0)
+    assert_close(split_logp.grad, whole_logp.grad, rtol=1e-12, atol=0)
+    assert whole.item() != 0.0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import device
+from config import UserError
 from device import select_platform
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,8 +23,10 @@ def test_cpu_and_gloo_without_accelerators(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     plat = select_platform()
     assert (plat.kind, plat.backend, plat.device) == ("cpu", "gloo", torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="torch_npu"):
+    with pytest.raises(UserError, match="torch_npu"):
         select_platform("npu")
+    with pytest.raises(UserError, match="no CUDA device"):
+        select_platform("cuda")
 
 
 def test_fake_torch_npu_selects_npu_and_hccl(monkeypatch):

@@ -5,7 +5,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rollout
 from data_prep import load_prompts
-from rollout import GroupPool, SampleBatch, generate, keep_informative, left_pad
+from rollout import GroupPool, Sampling, generate, keep_informative, left_pad
+from samples import SampleBatch
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def demo(demo_assets):
 def test_greedy_generation_matches_hugging_face_generate(demo):
     model, tokenizer, ids, mask = demo
     ours = generate(model, ids, mask, max_new_tokens=6, stop_ids=[tokenizer.eos_token_id],
-                    pad_id=tokenizer.pad_token_id, greedy=True)
+                    pad_id=tokenizer.pad_token_id, sampling=Sampling(greedy=True))
     theirs = model.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=6, do_sample=False,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     theirs = theirs[:, ids.shape[1]:]
@@ -32,7 +33,7 @@ def test_sampling_stops_at_first_stop_id_and_flags_truncation(demo):
     model, tokenizer, ids, mask = demo
     stop = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("3")]
     gen = generate(model, ids, mask, max_new_tokens=5, stop_ids=stop, pad_id=tokenizer.pad_token_id,
-                   temperature=1.5, generator=torch.Generator().manual_seed(0))
+                   sampling=Sampling(temperature=1.5), generator=torch.Generator().manual_seed(0))
     for row, row_mask, truncated in zip(gen.response_ids.tolist(), gen.response_mask.tolist(), gen.truncated.tolist()):
         length = sum(row_mask)
         assert row_mask == [True] * length + [False] * (len(row) - length)
@@ -53,7 +54,8 @@ def test_same_generator_seed_same_samples(demo):
 def test_rollout_logprobs_match_a_full_forward_pass(demo):
     model, tokenizer, ids, mask = demo
     gen = generate(model, ids, mask, max_new_tokens=5, stop_ids=[tokenizer.eos_token_id],
-                   pad_id=tokenizer.pad_token_id, temperature=0.8, generator=torch.Generator().manual_seed(3))
+                   pad_id=tokenizer.pad_token_id, sampling=Sampling(temperature=0.8),
+                   generator=torch.Generator().manual_seed(3))
     full = torch.cat([ids, gen.response_ids], 1)
     attention = torch.cat([mask, gen.response_mask], 1).long()
     with torch.no_grad():

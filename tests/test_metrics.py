@@ -1,0 +1,127 @@
+"""What a run shows its user besides metrics.csv: TensorBoard scalars (also after a resume),
+sample completions, curves.png, and the start-up check of report_to."""
+import csv
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import metrics
+from config import RunConfig, UserError
+from metrics import COLUMNS, TENSORBOARD_GROUPS, TENSORBOARD_TAGS, CompletionLog, StepReporter
+from samples import SampleBatch
+
+
+def event_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under ``log_dir``, as TensorBoard itself reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # 0: keep every event
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def csv_as_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """metrics.csv's values as TensorBoard stores them (float32), keyed by tag."""
+    expected: dict[str, list[tuple[int, float]]] = {}
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            for column, value in row.items():
+                if column != "step" and value != "":
+                    expected.setdefault(TENSORBOARD_TAGS[column], []).append((int(row["step"]), float(np.float32(value))))
+    return expected
+
+
+def test_every_column_but_step_has_exactly_one_tensorboard_group():
+    grouped = [column for columns in TENSORBOARD_GROUPS.values() for column in columns]
+    assert sorted(grouped) == sorted(c for c in COLUMNS if c != "step")
+
+
+class CharTokenizer:
+    """Token id i is the letter chr(ord('a') + i)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def reporter(out: Path, append: bool, **run) -> StepReporter:
+    run_config = RunConfig(output_dir=str(out), report_to=["csv", "tensorboard"], log_completions=0, **run)
+    return StepReporter(run_config, tokenizer=CharTokenizer(), reference_answers=[], advantages=None, append=append)
+
+
+def test_a_resumed_run_redraws_its_curves_with_one_value_per_step(tmp_path):
+    first = reporter(tmp_path, append=False, max_steps=10)
+    for step in range(4):  # the run writes step 3, then dies before checkpointing it
+        first.write({"step": step, "reward_mean": 0.1 * step, "val_acc": 0.5 if step == 0 else None})
+        if step == 2:
+            checkpoint_csv = tmp_path / "checkpoint_metrics.csv"
+            checkpoint_csv.write_text((tmp_path / "metrics.csv").read_text())
+            state = {**first.state(), "step": 2}
+    resumed = reporter(tmp_path, append=True, max_steps=3)
+    resumed.restore(state, checkpoint_csv)
+    resumed.write({"step": 3, "reward_mean": 0.7})  # step 3 again, with another value
+    scalars = event_scalars(tmp_path / "tensorboard")
+    assert scalars["reward/reward_mean"] == [(0, 0.0), (1, pytest.approx(0.1)), (2, pytest.approx(0.2)),
+                                             (3, pytest.approx(0.7))]
+    assert scalars == csv_as_scalars(tmp_path / "metrics.csv")
+
+
+def group_batch() -> SampleBatch:
+    """Two prompts (rows 0-1 and 2-3), left-padded prompts, right-padded responses."""
+    return SampleBatch(
+        prompt_ids=torch.tensor([[0, 7, 8], [0, 7, 8], [2, 3, 4], [2, 3, 4]]),
+        prompt_mask=torch.tensor([[False, True, True]] * 2 + [[True, True, True]] * 2),
+        response_ids=torch.tensor([[1, 2, 0], [3, 0, 0], [4, 4, 4], [5, 0, 0]]),
+        response_mask=torch.tensor([[True, True, False], [True, False, False], [True, True, True],
+                                    [True, False, False]]),
+        rollout_logp=torch.zeros(4, 3), reward=torch.tensor([1.0, 0.0, -0.5, 1.0]),
+        score=torch.tensor([1.0, 0.0, 0.0, 1.0]), correct=torch.tensor([True, False, False, True]),
+        truncated=torch.tensor([False, False, True, False]), prompt_index=torch.tensor([5, 5, 1, 1]),
+        version=torch.tensor([3, 3, 2, 2]), group_size=2)
+
+
+def test_completions_are_decoded_without_padding_and_a_resume_drops_later_steps(tmp_path):
+    path = tmp_path / "completions.jsonl"
+    answers = ["zero", "one", "two", "three", "four", "five"]
+    log = CompletionLog(path, prompts=1, tokenizer=CharTokenizer(), reference_answers=answers,
+                        advantages=lambda batch: batch.reward * 10, append=False)
+    for step in (1, 2, 3):
+        log.record(step, group_batch())
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["step"] for e in entries] == [1, 2, 3]  # one prompt per step: log_completions 1
+    assert entries[0]["prompt"] == "hi" and entries[0]["answer"] == "five"
+    assert [(r["text"], r["reward"], r["advantage"]) for r in entries[0]["responses"]] == [("bc", 1.0, 10.0),
+                                                                                           ("d", 0.0, 0.0)]
+    assert log.console_sample() == "sample from step 3: 'hi' -> 'bc' (reward +1.000, advantage +10.000)"
+    log.drop_after(2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    CompletionLog(path, prompts=0, tokenizer=None, reference_answers=[], advantages=None, append=False)
+    assert not path.exists()  # a fresh start does not keep an older run's completions
+
+
+def test_plot_writes_a_picture_of_the_run_and_refuses_a_folder_without_metrics(tmp_path, capsys):
+    from matplotlib.image import imread
+
+    with (tmp_path / "metrics.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for step in range(200):  # enough steps for the trailing mean
+            writer.writerow({"step": step, "reward_mean": step / 200, "entropy": 2 - step / 200,
+                             "val_acc": step / 200 if step % 20 == 0 else "", "step_time_s": 0.3})
+    assert metrics.main(["plot", str(tmp_path)]) == 0
+    picture = imread(tmp_path / "curves.png")
+    assert picture.shape[:2] == (720, 1280)
+    assert (picture[..., :3] < 0.5).mean() > 0.01  # lines and text, not a blank page
+    assert metrics.main(["plot", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_report_to_tensorboard_without_the_package_is_refused_at_start_up(monkeypatch):
+    metrics.check_report_to(["csv", "tensorboard"])
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    metrics.check_report_to(["csv"])
+    with pytest.raises(UserError, match=r"pip install -e '\.\[tensorboard\]'"):
+        metrics.check_report_to(["csv", "tensorboard"])

@@ -25,6 +25,8 @@ import torch
 from config import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# FP8 rollout computes in bf16 around its FP8 weights (fp8.py).
+ROLLOUT_COMPUTE_DTYPES = {**DTYPES, "fp8": torch.bfloat16}
 
 
 def _import_torch_npu() -> Optional[ModuleType]:
@@ -107,6 +109,17 @@ def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
     if requested == "cuda":
         raise UserError("device cuda: torch sees no CUDA device here (use --device auto or cpu)")
     return Platform("cpu", "gloo", local_rank)
+
+
+def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W.T with W = values * scale[:, None] (FP8 values, one float32 scale per output row).
+
+    Dequantized on the fly, in float32 then rounded once to x's dtype, which works on every
+    device. A native scaled FP8 GEMM (torch._scaled_mm on Hopper) would quantize x as well and
+    change the numbers; it belongs here, behind this signature, once a GPU run has measured it.
+    """
+    weight = (values.float() * scale.float().unsqueeze(-1)).to(x.dtype)
+    return torch.nn.functional.linear(x, weight)
 
 
 def step_generator(seed: int, *keys: int) -> torch.Generator:

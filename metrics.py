@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
+import importlib.util
 import json
 import math
 import shutil
@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-import numpy as np
-
 from config import RunConfig, UserError
+from curves import plot_curves
 
 if TYPE_CHECKING:  # for annotations only: `python metrics.py plot` need not import torch
     from samples import SampleBatch
@@ -33,7 +32,7 @@ COLUMNS = [
     "policy_loss", "kl", "kl_coef", "entropy", "length_penalty", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl",
     "grad_norm", "lr", "optimizer_steps", "skipped_steps",
     "num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version",
-    "mismatch_mean", "mismatch_max",
+    "mismatch_mean", "mismatch_max", "engine_mismatch_mean",
     "val_reward_mean", "val_acc",
     "alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit",
     "step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "save_time_s", "overlap", "gen_tokens_per_s",
@@ -46,7 +45,7 @@ TENSORBOARD_GROUPS = {
     "reward": ("reward_mean", "reward_std", "acc_mean", "score_mean", "reward_malformed"),
     "length": ("response_length_mean", "response_length_max", "truncated_frac"),
     "loss": ("policy_loss", "kl", "kl_coef", "entropy", "length_penalty"),
-    "policy": ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mismatch_mean", "mismatch_max"),
+    "policy": ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mismatch_mean", "mismatch_max", "engine_mismatch_mean"),
     "optim": ("grad_norm", "lr", "optimizer_steps", "skipped_steps"),
     "sampling": ("num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version"),
     "val": ("val_reward_mean", "val_acc"),
@@ -83,13 +82,11 @@ def read_metrics(path: Path) -> list[dict[str, str]]:
 
 
 def check_report_to(report_to: Sequence[str]) -> None:
-    """Refuse at start-up, not at the first step, a reporter whose package is not installed."""
-    if "tensorboard" in report_to:
-        try:
-            importlib.import_module("torch.utils.tensorboard")
-        except ImportError:
-            raise UserError("report_to tensorboard needs the tensorboard package, which is not installed: "
-                            "pip install -e '.[tensorboard]'") from None
+    """Refuse at start-up, not at the first step, a reporter whose package is not installed (looked
+    up, not imported: every rank checks, only the lead writes)."""
+    if "tensorboard" in report_to and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("report_to tensorboard needs the tensorboard package, which is not installed: "
+                        "pip install -e '.[tensorboard]'")
 
 
 class MetricsWriter:
@@ -345,94 +342,6 @@ class StepReporter:
         if self.curves is not None:
             self.curves.rewrite(read_metrics(self.metrics.path))
         self.completions.drop_after(state["step"])
-
-
-# ----- curves.png -------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Panel:
-    """One picture of curves.png: (column, legend label) pairs on the left y axis and, for values
-    of another scale, on a right one."""
-
-    title: str
-    left: tuple[tuple[str, str], ...]
-    right: tuple[tuple[str, str], ...] = ()
-
-
-PANELS = (
-    Panel("reward and accuracy", (("reward_mean", "train reward"), ("acc_mean", "train accuracy"),
-                                  ("val_reward_mean", "val reward"), ("val_acc", "val accuracy"))),
-    Panel("response length (tokens)", (("response_length_mean", "mean"), ("response_length_max", "max"))),
-    Panel("entropy and KL", (("entropy", "entropy"),),
-          (("kl", "KL to reference (right)"), ("ppo_kl", "KL old -> new policy (right)"))),
-    Panel("clip fractions (of tokens)", (("pg_clipfrac", "ratio clipped"), ("pg_clipfrac_lower", "dual clip"))),
-    Panel("step time (s)", (("step_time_s", "step"), ("gen_time_s", "generation"), ("train_time_s", "train"),
-                            ("sync_time_s", "weight sync"))),
-    Panel("loss and gradient norm", (("policy_loss", "policy loss"),), (("grad_norm", "grad norm (right)"),)),
-)
-
-
-def _series(rows: list[dict[str, str]], column: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of the rows where ``column`` has a value."""
-    points = [(float(row["step"]), float(row[column])) for row in rows if row.get(column)]
-    return tuple(np.array(points).T) if points else (np.empty(0), np.empty(0))
-
-
-def _trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Each value averaged with up to ``window - 1`` before it."""
-    sums = np.concatenate([[0.0], np.cumsum(values)])
-    ends = np.arange(1, len(values) + 1)
-    starts = np.maximum(0, ends - window)
-    return (sums[ends] - sums[starts]) / (ends - starts)
-
-
-def _draw(axes: Any, rows: list[dict[str, str]], series: tuple[tuple[str, str], ...], *, first_color: int,
-          window: int) -> list[Any]:
-    """Each series as a line: a faint one of every value under the trailing mean over ``window``
-    steps where there are many values, a marker on each where there are few (validation, short
-    runs), so series that coincide stay apart. Returns the legend handles."""
-    handles = []
-    for index, (column, label) in enumerate(series):
-        steps, values = _series(rows, column)
-        if not len(values):
-            continue
-        color, marker = f"C{first_color + index}", "os^D"[(first_color + index) % 4] if len(values) <= 40 else None
-        if window > 1 and len(values) > 2 * window:
-            axes.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
-            values = _trailing_mean(values, window)
-        handles += axes.plot(steps, values, color=color, label=label, marker=marker, markersize=5)
-    return handles
-
-
-def plot_curves(out_dir: Path) -> Path:
-    """OUTPUT_DIR/curves.png: the curves a user watches, drawn from OUTPUT_DIR/metrics.csv."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    rows = read_metrics(out_dir / "metrics.csv")
-    window = len(rows) // 40  # about 40 independent points across the run
-    figure = Figure(figsize=(16, 9))
-    FigureCanvasAgg(figure)  # the Agg backend by name: training machines have no display
-    # Fixed margins, with room for the right-hand axes: a layout engine would double the drawing time.
-    figure.subplots_adjust(left=0.05, right=0.95, bottom=0.07, top=0.92, wspace=0.3, hspace=0.3)
-    for axes, panel in zip(figure.subplots(2, 3).flatten(), PANELS):
-        handles = _draw(axes, rows, panel.left, first_color=0, window=window)
-        if panel.right:
-            handles += _draw(axes.twinx(), rows, panel.right, first_color=len(panel.left), window=window)
-        axes.set_title(panel.title)
-        axes.set_xlabel("step")
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.grid(alpha=0.3)
-        if handles:
-            axes.legend(handles=handles, fontsize=8, loc="best")
-        else:
-            axes.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=axes.transAxes)
-    smoothing = f" (faint: every step; bold: mean of the last {window} steps)" if window > 1 else ""
-    figure.suptitle(f"{out_dir.name}: step {rows[-1]['step'] if rows else 'none yet'}{smoothing}")
-    path = out_dir / "curves.png"
-    figure.savefig(path, dpi=80)
-    return path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

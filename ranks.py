@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -245,51 +245,64 @@ def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup, device: to
 
 # ----- weights: lead learner -> rollout ranks, in buckets ---------------------------------------
 
-def _buckets(shapes: Sequence[torch.Size], dtype: torch.dtype, bucket_mb: int) -> list[list[int]]:
-    """Parameter indices grouped so each bucket's flat buffer stays under bucket_mb (one large
-    parameter may fill a bucket alone). Both ends compute the same plan from the same shapes."""
-    limit = max(1, bucket_mb * 2**20 // torch.empty((), dtype=dtype).element_size())
+def _buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Piece indices grouped so each bucket stays under bucket_bytes (one large piece may fill a
+    bucket alone). Both ends compute the same plan from the same sizes."""
     plan, current, used = [], [], 0
-    for index, shape in enumerate(shapes):
-        numel = shape.numel()
-        if current and used + numel > limit:
+    for index, size in enumerate(sizes):
+        if current and used + size > bucket_bytes:
             plan.append(current)
             current, used = [], 0
         current.append(index)
-        used += numel
+        used += size
     if current:
         plan.append(current)
     return plan
 
 
+class WeightFormat(Protocol):
+    """How each parameter travels: as ``nbytes(i)`` bytes that ``encode`` writes and ``decode`` reads."""
+
+    def nbytes(self, index: int) -> int: ...
+    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, index: int, data: torch.Tensor) -> None: ...
+
+
 class WeightBroadcast:
-    """Send (lead learner) or receive (rollout ranks) a full set of parameters with its version.
+    """Send (lead learner) or receive (rollout ranks) a full set of parameters with its version,
+    bucket by bucket, as bytes in the layout a :class:`WeightFormat` gives (the rollout's dtype,
+    or FP8 values and scales).
 
     Parameters travel under their in-memory names and shapes, which are the same at both ends
-    (one model class) even for fused MoE experts whose on-disk names differ (PLATFORM.md). The
-    receive buffers are allocated once and reused: a fresh buffer is much slower on first touch.
+    (one model class) even for fused MoE experts whose on-disk names differ (PLATFORM.md). One
+    buffer, the size of the largest bucket, is allocated once and reused: a fresh buffer is much
+    slower on first touch, and one buffer per bucket would be a second copy of the model.
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], dtype: torch.dtype, bucket_mb: int, src: int,
-                 group: dist.ProcessGroup, device: torch.device) -> None:
-        self.shapes, self.dtype, self.src, self.group, self.device = list(shapes), dtype, src, group, device
-        self.plan = _buckets(self.shapes, dtype, bucket_mb)
-        self.buffers = [torch.empty(sum(self.shapes[i].numel() for i in bucket), dtype=dtype, device=device)
-                        for bucket in self.plan]
+    def __init__(self, weight_format: WeightFormat, count: int, bucket_mb: int, src: int, group: dist.ProcessGroup,
+                 device: torch.device) -> None:
+        self.format, self.src, self.group, self.device = weight_format, src, group, device
+        self.sizes = [weight_format.nbytes(i) for i in range(count)]
+        self.plan = _buckets(self.sizes, bucket_mb * 2**20)
+        self.buffer = torch.empty(max(sum(self.sizes[i] for i in bucket) for bucket in self.plan),
+                                  dtype=torch.uint8, device=device)
 
     def send(self, tensors: Sequence[torch.Tensor], version: int) -> None:
         broadcast_flag(version, self.src, self.group, self.device)
-        for bucket, buffer in zip(self.plan, self.buffers):
-            torch.cat([tensors[i].detach().reshape(-1).to(self.dtype) for i in bucket], out=buffer)
-            dist.broadcast(buffer, src=self.src, group=self.group)
+        for bucket in self.plan:
+            filled = self.buffer[:sum(self.sizes[i] for i in bucket)]
+            torch.cat([self.format.encode(i, tensors[i]).to(self.device) for i in bucket], out=filled)
+            dist.broadcast(filled, src=self.src, group=self.group)
 
-    def receive_into(self, params: Sequence[torch.Tensor]) -> int:
+    def receive(self) -> int:
+        """Decode the next version into place; returns its number."""
         version = broadcast_flag(-1, self.src, self.group, self.device)
         with torch.no_grad():
-            for bucket, buffer in zip(self.plan, self.buffers):
-                dist.broadcast(buffer, src=self.src, group=self.group)
-                for i, chunk in zip(bucket, buffer.split([self.shapes[i].numel() for i in bucket])):
-                    params[i].copy_(chunk.view(self.shapes[i]))
+            for bucket in self.plan:
+                filled = self.buffer[:sum(self.sizes[i] for i in bucket)]
+                dist.broadcast(filled, src=self.src, group=self.group)
+                for i, data in zip(bucket, filled.split([self.sizes[i] for i in bucket])):
+                    self.format.decode(i, data)
         return version
 
 

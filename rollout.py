@@ -20,7 +20,8 @@ import torch
 import dapo_loss
 from buckets import bucket_bound, bucketed_batches
 from config import Config, RolloutConfig, UserError
-from device import Platform, step_generator
+from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
+from fp8 import FP8, convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
 from ranks import Layout, WeightBroadcast, phase
 from rewards import Scored
 from samples import SampleBatch
@@ -194,13 +195,10 @@ def make_reward_source(reward_fn: str, reward_model: Optional[str], device: torc
 
 
 def check_rollout_inputs(cfg: Config) -> None:
-    """Refuse (UserError) before any model loads what would otherwise stop the rollout later: FP8
-    weights, a reward_fn that does not resolve or lacks its package, stop ids the policy can never
-    emit."""
+    """Refuse (UserError) before any model loads what would otherwise stop the rollout later: a
+    reward_fn that does not resolve or lacks its package, stop ids the policy can never emit."""
     from rewards import resolve_rule
 
-    if cfg.model.rollout_dtype == "fp8":
-        raise UserError("rollout_dtype fp8 is not supported yet in this build; use bf16 or fp32")
     if not cfg.model.reward_model:
         resolve_rule(cfg.model.reward_fn)
     model_config = Path(cfg.model.model_path) / "config.json"
@@ -328,6 +326,8 @@ class Rollout:
             overlong_penalty_factor=cfg.algo.overlong_penalty_factor, bucket_size=cfg.data.bucket_size)
         self.prompts = PromptStream([len(p) for p in train_set.prompt_ids], cfg.rollout.prompts_per_step,
                                     cfg.data.bucket_size, cfg.run.seed)
+        self.weights = RolloutWeights(self.model.config, cfg.model.rollout_dtype)
+        self.weights.bind(self.model)
 
     def generate_shard(self, step: int, gen_index: int) -> tuple[Optional[SampleBatch], int, float]:
         """This rank's share of the next generation batch: (samples or None, malformed count, seconds)."""
@@ -365,15 +365,16 @@ class Rollout:
 
     @torch.no_grad()
     def load_weights(self, tensors: Sequence[torch.Tensor], version: int) -> None:
-        """One process: copy the learner's weights into the rollout copy."""
-        for dst, src in zip(self.model.parameters(), tensors):
-            dst.copy_(src)
+        """One process: the learner's weights into the rollout copy, in the form they would
+        travel between ranks (so one process and several compute the same)."""
+        for index, tensor in enumerate(tensors):
+            self.weights.decode(index, self.weights.encode(index, tensor).to(self.plat.device))
         self.weight_version = version
 
-    def receive_weights(self, weights: WeightBroadcast) -> int:
+    def receive_weights(self, broadcast: WeightBroadcast) -> int:
         """A rollout rank: the next weight version from the lead learner, by broadcast."""
         with phase("weight sync"):
-            version = weights.receive_into(list(self.model.parameters()))
+            version = broadcast.receive()
         assert version == self.weight_version + 1, f"weights arrived out of order: v{version} after v{self.weight_version}"
         self.weight_version = version
         return version
@@ -456,4 +457,73 @@ class DynamicSampler:
         self.pool.pending = SampleBatch.from_named_tensors(buffers, "pool", group_size)
         if ahead_row is not None:
             self.collected_ahead = (SampleBatch.from_named_tensors(buffers, "ahead", group_size), ahead_row)
+
+
+def _aligned(nbytes: int) -> int:
+    # Every piece starts on an 8-byte boundary of the transfer buffer, so its bytes can be viewed
+    # as float32 (scales) or any parameter dtype in place.
+    return -(-nbytes // 8) * 8
+
+
+class RolloutWeights:
+    """The policy's parameters as the rollout side stores them, and as they travel there: in the
+    rollout dtype, or with FP8 rollout, FP8 values plus one float32 scale per output row for the
+    linear layers and experts (fp8.py). One object per end: the lead encodes full-precision
+    tensors into bytes, a rollout rank decodes bytes into its model (:meth:`bind`)."""
+
+    def __init__(self, model_config: Any, rollout_dtype: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # the architecture's names and shapes, without weights
+            policy = AutoModelForCausalLM.from_config(model_config)
+        named = list(policy.named_parameters())
+        self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
+        self.fp8 = fp8_parameter_names(policy) if rollout_dtype == "fp8" else set()
+        self.dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+        self.targets: list[Any] = []
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Where each parameter lands in the rollout model (converted to FP8 or not)."""
+        self.targets = [fp8_slot(model, n) if n in self.fp8 else model.get_parameter(n) for n in self.names]
+
+    def _is_fp8(self, index: int) -> bool:
+        return self.names[index] in self.fp8
+
+    def nbytes(self, index: int) -> int:
+        shape = self.shapes[index]
+        if self._is_fp8(index):
+            return _aligned(shape.numel()) + _aligned(4 * (shape.numel() // shape[-1]))
+        return _aligned(shape.numel() * self.dtype.itemsize)
+
+    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        if self._is_fp8(index):
+            values, scale = quantize(tensor)
+            pieces = [values.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)]
+        else:
+            pieces = [tensor.detach().to(self.dtype).reshape(-1).view(torch.uint8)]
+        return torch.cat([torch.nn.functional.pad(p, (0, _aligned(p.numel()) - p.numel())) for p in pieces])
+
+    @torch.no_grad()
+    def decode(self, index: int, data: torch.Tensor) -> None:
+        shape, target = self.shapes[index], self.targets[index]
+        if self._is_fp8(index):
+            numel = shape.numel()
+            target.values.copy_(data[:numel].view(FP8).view(shape))
+            scale = data[_aligned(numel):_aligned(numel) + 4 * (numel // shape[-1])]
+            target.scale.copy_(scale.view(torch.float32).view(shape[:-1]))
+        else:
+            target.copy_(data[:shape.numel() * self.dtype.itemsize].view(self.dtype).view(shape))
+
+
+def load_rollout_model(path: Path, rollout_dtype: str, device: torch.device) -> torch.nn.Module:
+    """A rollout rank's copy of the policy. FP8 is quantized on the host from the weights as
+    stored (so from the same values the learner quantizes when it sends new ones) and only then
+    moved to the device, which never holds the model in full precision."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+    if rollout_dtype != "fp8":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    stored = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True)
+    return convert_to_fp8(stored, dtype).to(device)
 

@@ -25,12 +25,13 @@ import ckpt
 import dapo_loss
 from config import Config, Derived, Schedule, UserError, load_config, warnings_for
 from data_prep import load_run_inputs
-from device import DTYPES, Platform, seed_everything, select_platform, write_env_report
-from learner import Learner, load_model
+from device import Platform, seed_everything, select_platform, write_env_report
+from learner import Learner
 from metrics import StepReporter, check_report_to, log, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum,
                    broadcast_samples, init_world, phase, report_phase_on_sigterm)
-from rollout import DynamicSampler, Generated, Rollout, check_rollout_inputs
+from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, check_rollout_inputs,
+                     load_rollout_model)
 from samples import SampleBatch
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
@@ -70,18 +71,18 @@ class Trainer:
         self.step = 0
         self.schedule = Schedule(cfg.run, has_val_set=self.val_set is not None)
         self.first_generation_step = 1
-        rollout_dtype = DTYPES[cfg.model.rollout_dtype]
         self.learner = Learner(cfg, plat, derived, layout, groups, weights_path, Path(cfg.model.model_path)) \
             if layout.is_learner else None
         self.rollout = None
         if self.single or not layout.is_learner:
-            model = self.learner.rollout_copy(rollout_dtype) if self.single else \
-                load_model(weights_path, rollout_dtype, plat.device)
+            model = self.learner.rollout_copy(cfg.model.rollout_dtype) if self.single else \
+                load_rollout_model(weights_path, cfg.model.rollout_dtype, plat.device)
             self.rollout = Rollout(cfg, plat, layout, model, self.tokenizer, self.train_set, self.val_set,
                                    val_batch_size=derived.sequences_per_step)
         if not self.single and (lead or not layout.is_learner):
-            shapes = self.learner.param_shapes if lead else [p.shape for p in self.rollout.model.parameters()]
-            self.weights = WeightBroadcast(shapes, rollout_dtype, cfg.run.weight_sync_bucket_mb,
+            weights_format = RolloutWeights(self.learner.policy.config, cfg.model.rollout_dtype) if lead \
+                else self.rollout.weights
+            self.weights = WeightBroadcast(weights_format, len(weights_format.names), cfg.run.weight_sync_bucket_mb,
                                            src=layout.lead_learner, group=groups.sync, device=plat.device)
             self.samples = SampleChannel(layout, groups, plat.device, cfg.rollout.sample_num)
         self.sampler, self.report = None, None  # the lead's
@@ -257,7 +258,6 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         check_rollout_inputs(cfg)  # before any model loads and before output_dir is written
         check_report_to(cfg.run.report_to)
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
-
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
         for message in warnings_for(cfg) if lead else []:
             warn(message)  # "no val_dataset" among them

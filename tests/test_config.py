@@ -45,6 +45,8 @@ def test_article_launch_flags_are_accepted_as_written():
     (["--clip_ratio_c", "0.5"], "clip_ratio_c must be > 1"),
     (["--kl_coef"], "--kl_coef needs a value"),
     (["--reward_model", "/rm", "--dynamic_sampling_metric", "acc"], "a reward_model has no notion of correct"),
+    (["--report_to", "[csv, wandb]"], "report_to takes csv and tensorboard, got ['csv', 'wandb']"),
+    (["--log_completions", "-1"], "log_completions must be >= 0 (0 = off)"),
 ])
 def test_bad_command_line_values_name_the_key(argv, needle):
     with pytest.raises(ConfigError) as err:
@@ -61,8 +63,9 @@ def test_unknown_yaml_key_names_file_and_suggestion(tmp_path):
 
 def test_values_parse_like_yaml():
     cfg = load_config(["--eos_token_ids", "[151645, 151643]", "--kl_coef_init=0.05", "--reward_model", "null",
-                       "--gradient_checkpointing", "true"])
+                       "--gradient_checkpointing", "true", "--report_to", "tensorboard"])
     assert cfg.model.eos_token_ids == [151645, 151643]
+    assert cfg.run.report_to == ["tensorboard"]  # one item needs no brackets, as for eos_token_ids
     assert cfg.algo.kl_coef_init == 0.05 and cfg.model.reward_model is None
     assert cfg.model.gradient_checkpointing is True
 

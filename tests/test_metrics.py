@@ -121,7 +121,37 @@ def test_plot_writes_a_picture_of_the_run_and_refuses_a_folder_without_metrics(t
 
 def test_report_to_tensorboard_without_the_package_is_refused_at_start_up(monkeypatch):
     metrics.check_report_to(["csv", "tensorboard"])
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not installed
     metrics.check_report_to(["csv"])
     with pytest.raises(UserError, match=r"pip install -e '\.\[tensorboard\]'"):
         metrics.check_report_to(["csv", "tensorboard"])
+
+
+def test_the_demo_writes_curves_completions_and_a_picture_and_a_resume_keeps_one_value_per_step(demo_argv, tmp_path):
+    from transformers import AutoTokenizer
+
+    import train_dapo
+
+    out = tmp_path / "run"
+    argv = demo_argv + ["--max_steps", "3", "--save_every", "1"]  # the demo config: report_to csv, tensorboard
+    assert train_dapo.main(argv) == 0
+    assert train_dapo.main(argv + ["--resume_from_checkpoint", str(out / "checkpoints" / "step_00000002")]) == 0
+    scalars = event_scalars(out / "tensorboard")
+    assert [step for step, _ in scalars["reward/reward_mean"]] == [1, 2, 3]  # step 3 trained twice, shown once
+    assert scalars == csv_as_scalars(out / "metrics.csv")
+
+    entries = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in entries] == [1, 1, 2, 2, 3, 3]  # log_every 1, log_completions 2
+    special = AutoTokenizer.from_pretrained(demo_argv[demo_argv.index("--model_path") + 1]).all_special_tokens
+    for entry in entries:
+        assert entry["prompt"].endswith("=<|im_end|>\n<|im_start|>assistant\n") and len(entry["responses"]) == 8
+        for response in entry["responses"]:
+            written = response["text"]
+            for token in special:
+                written = written.replace(token, "")
+            # The text is what the reward read: demo_arithmetic pays exactly the reference answer.
+            assert (written.strip() == entry["answer"]) == (response["score"] == 1.0), response
+        assert abs(sum(r["advantage"] for r in entry["responses"])) < 1e-3  # group-relative: mean zero
+
+    picture = (out / "curves.png").read_bytes()
+    assert picture.startswith(b"\x89PNG\r\n\x1a\n") and len(picture) > 20_000

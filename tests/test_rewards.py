@@ -8,12 +8,14 @@ import textwrap
 import pytest
 import torch
 
+from config import UserError
 from rewards import (
     BUILTIN_RULES,
     MalformedResponse,
     RewardModelScorer,
     demo_arithmetic,
     math_answer,
+    math_verify_answer,
     resolve_rule,
     score_with_rule,
 )
@@ -196,20 +198,58 @@ def test_resolve_builtin_rules():
 
 
 def test_resolve_rule_errors(user_rules_module):
-    expected = "unknown reward_fn 'exact_match' (built-ins: demo_arithmetic, math_answer; or module:function)"
-    with pytest.raises(ValueError) as error:
+    expected = ("unknown reward_fn 'exact_match' (built-ins: demo_arithmetic, math_answer, math_verify; "
+                "or module:function)")
+    with pytest.raises(UserError) as error:  # one line and exit status 2 in train_dapo.main
         resolve_rule("exact_match")
     assert str(error.value) == expected
-    with pytest.raises(ValueError, match="cannot import module 'no_such_reward_module'"):
+    with pytest.raises(UserError, match="cannot import module 'no_such_reward_module'"):
         resolve_rule("no_such_reward_module:score")
-    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+    with pytest.raises(UserError, match="has no attribute 'missing'"):
         resolve_rule(f"{user_rules_module}:missing")
-    with pytest.raises(ValueError, match="'not_callable' is not callable"):
+    with pytest.raises(UserError, match="'not_callable' is not callable"):
         resolve_rule(f"{user_rules_module}:not_callable")
-    with pytest.raises(ValueError, match="wrong_score must be a number"):
+    with pytest.raises(UserError, match="wrong_score must be a number"):
         resolve_rule(f"{user_rules_module}:bad_wrong_score")
-    with pytest.raises(ValueError, match="expected module:function"):
+    with pytest.raises(UserError, match="expected module:function"):
         resolve_rule(f"{user_rules_module}:")
+
+
+# ---------------------------------------------------------------------------------------
+# math_verify (the math-verify package)
+
+
+@pytest.mark.parametrize("written, reference, equivalent", [
+    (r"The answer is $\boxed{0.5}$.", r"\frac{1}{2}", True),  # decimal vs LaTeX fraction
+    (r"so \boxed{\frac12}", "0.5", True),
+    ("Answer: 1/2", r"\frac{1}{2}", True),  # plain fraction vs LaTeX
+    (r"\boxed{\dfrac{3}{4}}", "0.75", True),
+    (r"\boxed{\sqrt{12}}", r"2\sqrt{3}", True),
+    (r"\boxed{1,000}", "1000", True),
+    (r"\boxed{1+x}", "x+1", True),
+    (r"First 3, then the final answer \boxed{5}", "5", True),  # a box wins over a bare number
+    (r"\boxed{\frac{1}{3}}", r"\frac{1}{2}", False),
+    (r"\boxed{2}", "-2", False),
+    (r"\boxed{5}", "3", False),
+    (r"\boxed{2}", r"\sqrt{2}", False),
+])
+def test_math_verify_judges_equivalence(written, reference, equivalent):
+    assert math_verify_answer(written, reference) == ((1.0, True) if equivalent else (-1.0, False))
+
+
+@pytest.mark.parametrize("written", ["", "I do not know.", "}}{{\\boxed{", "\\boxed{"])
+def test_math_verify_without_an_answer_is_malformed_and_scored_wrong(written):
+    with pytest.raises(MalformedResponse):
+        math_verify_answer(written, "3")
+    scored = score_with_rule(resolve_rule("math_verify"), [written, r"\boxed{3}"], ["3", "3"])
+    assert (scored.scores, scored.num_malformed) == ([-1.0, 1.0], 1)
+
+
+def test_math_verify_without_its_package_is_refused_with_the_install_command(monkeypatch):
+    assert resolve_rule("math_verify").fn is math_verify_answer
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` fail
+    with pytest.raises(UserError, match=r"reward_fn math_verify .* pip install -e '\.\[math\]'"):
+        resolve_rule("math_verify")
 
 
 # ---------------------------------------------------------------------------------------

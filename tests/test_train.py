@@ -3,10 +3,12 @@ import csv
 import hashlib
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import train_dapo
@@ -169,3 +171,46 @@ def test_bf16_learner_with_gradient_checkpointing_trains(demo_argv, tmp_path):
     row = read_metrics(tmp_path / "run")[-1]
     assert math.isfinite(float(row["policy_loss"])) and float(row["grad_norm"]) > 0
     assert float(row["mismatch_mean"]) > 0  # bf16 rollout vs learner log-probs differ, and the metric shows it
+
+
+# ----- bad input: one line on stderr, exit status 2, nothing written ----------------------------
+
+@pytest.mark.parametrize("extra, expected, hidden_module", [
+    (["--reward_fn", "no_such_module:fn"], r"reward_fn 'no_such_module:fn': cannot import module", None),
+    (["--reward_fn", "math_verify"], r"reward_fn math_verify needs the math_verify package", "math_verify"),
+    (["--eos_token_ids", "[999999]"], r"eos_token_ids: 999999 is outside the vocabulary .* \(101 ids", None),
+    (["--device", "cuda"], r"device cuda: torch sees no CUDA device", None),
+    (["--config", "{tmp}/missing.yaml"], r"config file not found: .*missing\.yaml", None),
+    (["--config", "{tmp}/invalid.yaml"], r"invalid\.yaml: line \d+ is not valid YAML", None),
+    (["--per_device_batch_size", "5"], r"48 sequences must split evenly", None),
+    (["--report_to", "[csv, tensorboard]"], r"report_to tensorboard needs the tensorboard package", "tensorboard"),
+], ids=["reward_fn", "math_verify_missing", "eos_id", "device", "config_file", "yaml", "batch_sizes",
+        "tensorboard_missing"])
+def test_bad_input_stops_with_one_line_before_writing_anything(demo_argv, tmp_path, capsys, monkeypatch, extra,
+                                                               expected, hidden_module):
+    (tmp_path / "invalid.yaml").write_text("run:\n  max_steps: 3\n  seed: [1\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a machine with a GPU
+    if hidden_module:
+        monkeypatch.setitem(sys.modules, hidden_module, None)  # as if the package were not installed
+    argv = demo_argv + ["--max_steps", "1"] + [arg.format(tmp=tmp_path) for arg in extra]  # short if it runs
+    assert train_dapo.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and re.search(expected, err[0]), err
+    assert not (tmp_path / "run").exists()
+
+
+CONSTANT_REWARD = '''
+def score(response, answer):
+    return 1.0, True
+'''
+
+
+def test_a_reward_without_spread_stops_at_max_gen_batches(demo_argv, tmp_path, capsys, monkeypatch):
+    (tmp_path / "constant_reward_for_test.py").write_text(CONSTANT_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))  # where a user's reward module would be importable from
+    argv = demo_argv + ["--reward_fn", "constant_reward_for_test:score", "--max_gen_batches", "1", "--max_steps", "1"]
+    assert train_dapo.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and re.fullmatch(r"error: step 1: only 0 of 6 groups .* after 1 generation batches "
+                                          r"\(max_gen_batches\).*", err[0]), err
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == ["0"]  # what was written stays whole

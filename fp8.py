@@ -1,0 +1,145 @@
+"""FP8 rollout weights (article 3.1): the rollout copy of the policy stores the weights of its
+linear layers and fused experts as ``float8_e4m3fn`` with one float32 scale per output channel,
+and multiplies with them through :func:`device.fp8_linear`.
+
+Why per output channel, not the 128 x 128 blocks of published FP8 checkpoints: the weights are
+dequantized on the fly, row by row, which a per-row scale does with one multiply; block scales
+pay off with native block-scaled FP8 GEMM kernels, which this path does not use. The error is
+measured (tests/test_fp8.py, README): per-channel e4m3 keeps ~2 significant digits of each
+weight relative to its row's largest.
+
+What stays in the rollout dtype (bf16): embeddings, norms, the router (its top-k choices are
+what a small error would flip) and the lm_head (the sampling distribution itself).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from device import fp8_linear
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 values, float32 scales of shape weight.shape[:-1]): weight ~= values * scales[..., None].
+
+    Each output channel (row) is scaled so its largest magnitude maps to FP8_MAX; an all-zero
+    row gets scale 1, so it stays exactly zero instead of dividing by zero.
+    """
+    amax = weight.detach().abs().amax(dim=-1).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    values = (weight.detach().float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values, scale
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (values.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+class Fp8Weight(nn.Module):
+    """A weight held as FP8 values and per-row scales (buffers: no gradient, no optimizer)."""
+
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("values", values)
+        self.register_buffer("scale", scale)
+        self.compute_dtype = compute_dtype
+
+    def load(self, weight: torch.Tensor) -> None:
+        """Quantize a full-precision weight into the existing buffers (weight sync)."""
+        values, scale = quantize(weight.to(self.values.device))
+        self.values.copy_(values)
+        self.scale.copy_(scale)
+
+
+class Fp8Linear(nn.Module):
+    """nn.Linear without bias whose weight is an :class:`Fp8Weight`."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        assert linear.bias is None, "Qwen3 linear layers have no bias"
+        self.weight = Fp8Weight(*quantize(linear.weight), compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight.values, self.weight.scale)
+
+
+class Fp8Experts(nn.Module):
+    """Qwen3-MoE's fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) in FP8: the same
+    routing loop as transformers' eager implementation, one expert's weights dequantized at a time."""
+
+    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        self.gate_up_proj = Fp8Weight(*quantize(experts.gate_up_proj), compute_dtype)
+        self.down_proj = Fp8Weight(*quantize(experts.down_proj), compute_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        hit = torch.zeros(self.num_experts, dtype=torch.bool, device=top_k_index.device)
+        hit[top_k_index.flatten()] = True
+        for expert in hit.nonzero().flatten().tolist():
+            token, slot = torch.where(top_k_index == expert)
+            gate_up = fp8_linear(hidden_states[token], self.gate_up_proj.values[expert],
+                                 self.gate_up_proj.scale[expert])
+            gate, up = gate_up.chunk(2, dim=-1)
+            down = fp8_linear(self.act_fn(gate) * up, self.down_proj.values[expert], self.down_proj.scale[expert])
+            out.index_add_(0, token, (down * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+@dataclass(frozen=True)
+class Fp8Target:
+    """A parameter of the full-precision policy stored in FP8 on the rollout side."""
+
+    module: str  # the module holding it in the policy ("model.layers.0.self_attn.q_proj")
+    parameter: str  # "weight", or the experts' "gate_up_proj" / "down_proj"
+
+
+def _targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
+            yield name, module, "weight"
+        elif type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            yield name, module, "gate_up_proj"
+            yield name, module, "down_proj"
+
+
+def fp8_parameter_names(model: nn.Module) -> set[str]:
+    """Names (as in ``named_parameters`` of the full-precision policy) of what FP8 rollout stores in FP8."""
+    return {f"{name}.{parameter}" for name, _, parameter in _targets(model)}
+
+
+def convert_to_fp8(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+    """Replace, in place, every linear layer but the lm_head and every fused-experts block by its
+    FP8 form; the rest is cast to ``compute_dtype``. Works one module at a time, so the model
+    never exists in full precision and FP8 at once."""
+    replaced: dict[str, nn.Module] = {}
+    for name, module, _ in list(_targets(model)):
+        if name not in replaced:
+            replaced[name] = (Fp8Linear(module, compute_dtype) if isinstance(module, nn.Linear)
+                              else Fp8Experts(module, compute_dtype))
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, replaced[name])
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(compute_dtype)
+    return model
+
+
+def fp8_slot(model: nn.Module, parameter_name: str) -> Fp8Weight:
+    """The FP8 weight of a converted model that holds the policy's ``parameter_name``."""
+    module, _, attribute = parameter_name.rpartition(".")
+    holder = model.get_submodule(module)
+    return holder.weight if attribute == "weight" else getattr(holder, attribute)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer: what the rollout copy holds in memory."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -409,7 +409,7 @@ class Checkpointer:
 
 # Settings that may change between a checkpoint and its resume without changing the results.
 RESUMABLE_CHANGES = ("max_steps", "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "log_every",
-                     "log_completions", "report_to", "save_every", "keep_last", "dist_timeout_s")
+                     "device_memory_gb", "log_completions", "report_to", "save_every", "keep_last", "dist_timeout_s")
 
 
 def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str, Any],

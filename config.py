@@ -116,6 +116,7 @@ class RunConfig:
     learner_ranks: int = 2
     max_staleness: int = 1
     dist_timeout_s: float = 600.0
+    device_memory_gb: Optional[float] = None  # GiB per device; default: what the device reports
     weight_sync_bucket_mb: int = 256
     length_alarm_steps: int = 20
     overfit_alarm_checks: int = 3

@@ -56,6 +56,12 @@ class Platform:
         if self.module is not None:
             self.module.set_device(self.local_rank)
 
+    def memory_bytes(self) -> Optional[int]:
+        """This process's device memory, or None on CPU (where the plan needs device_memory_gb)."""
+        if self.module is None:
+            return None
+        return self.module.get_device_properties(self.local_rank).total_memory
+
     def synchronize(self) -> None:
         if self.module is not None:
             self.module.synchronize()

@@ -62,6 +62,10 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
+def quiet(message: str) -> None:
+    """For ranks other than the lead, which leave the talking to it."""
+
+
 def warn(message: str) -> None:
     sys.stderr.write(f"warning: {message}\n")
     sys.stderr.flush()

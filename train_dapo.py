@@ -23,11 +23,12 @@ import torch.distributed as dist
 
 import ckpt
 import dapo_loss
+import memory_plan
 from config import Config, Derived, Schedule, UserError, load_config, warnings_for
 from data_prep import load_run_inputs
 from device import Platform, seed_everything, select_platform, write_env_report
-from learner import Learner
-from metrics import StepReporter, check_report_to, log, warn
+from learner import Learner, uses_reference_model
+from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum,
                    broadcast_samples, init_world, phase, report_phase_on_sigterm)
 from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, check_rollout_inputs,
@@ -35,10 +36,6 @@ from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, check_r
 from samples import SampleBatch
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
-
-
-def quiet(message: str) -> None:
-    """For ranks other than the lead, which leave the talking to it."""
 
 
 class Trainer:
@@ -248,8 +245,9 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     """The run; ``trainer_class`` is a user's subclass of :class:`Trainer` (README.md)."""
     groups = None
     try:
+        argv, plan_ranks = memory_plan.split_plan_request(argv)
         cfg = load_config(argv)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = plan_ranks or int(os.environ.get("WORLD_SIZE", "1"))
         derived = Derived.of(cfg, world_size)
         layout = Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                         num_learners=derived.num_learner_ranks)
@@ -257,6 +255,9 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         check_rollout_inputs(cfg)  # before any model loads and before output_dir is written
         check_report_to(cfg.run.report_to)
+        if memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
+                             plan_only=plan_ranks is not None, lead=lead):
+            return 0
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
         for message in warnings_for(cfg) if lead else []:
@@ -267,7 +268,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
             warn=warn if lead else quiet, log=log if lead else quiet)
         ckpt.prepare_output_dir(out, overwrite=cfg.run.overwrite_output_dir, create=lead,
                                 resuming=cfg.run.resume_from_checkpoint is not None or resume is not None)
-        role = "rollout+learner" if world_size == 1 else layout.role + (" (lead)" if lead else "")
+        role = "rollout+learner" if world_size == 1 else layout.role + " (lead)" * lead
         log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} backend={plat.backend}")
         if world_size > 1:
             report_phase_on_sigterm(layout.rank)

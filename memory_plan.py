@@ -1,0 +1,230 @@
+"""The memory plan: what each rank of a run will hold, in bytes, from the model's config.json
+(no weights), the run's settings and the world layout, and whether it fits ``device_memory_gb``.
+
+    python train_dapo.py --config X --plan      # prints the table, writes OUTPUT_DIR/memory_plan.json
+
+Parameters and FP8 rollout weights are counted exactly, on an instance of the architecture on
+the meta device; the KV cache exactly from the layer shapes; activations are estimates, stated
+as such (what one layer saves per token, the logits of a micro-batch). What the learners hold
+follows the code as built: FSDP2 shards fp32 parameters, gradients and AdamW's two moments over
+the learner ranks; the KL reference model, when loaded, is sharded the same way in fp32; the
+lead keeps a full fp32 host copy of the weights for weight sync and checkpoints.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from config import Config, Derived
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The numbers of a causal LM config that memory depends on."""
+
+    params: int
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    q_dim: int
+    vocab: int
+    experts_per_token: int
+    expert_intermediate: int
+    largest_layer_params: int
+    fp8_rollout_bytes: int  # the FP8 rollout copy: quantized weights, scales, the rest in bf16
+
+    @staticmethod
+    def of(model_config: Any) -> "Architecture":
+        from transformers import AutoModelForCausalLM
+
+        from fp8 import convert_to_fp8, weight_bytes
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config)
+        text = model_config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        layers = model.model.layers
+        return Architecture(
+            params=sum(p.numel() for p in model.parameters()), layers=text.num_hidden_layers,
+            hidden=text.hidden_size, kv_heads=text.num_key_value_heads, head_dim=head_dim,
+            q_dim=text.num_attention_heads * head_dim, vocab=text.vocab_size,
+            experts_per_token=getattr(text, "num_experts_per_tok", 1),
+            expert_intermediate=getattr(text, "moe_intermediate_size", text.intermediate_size),
+            largest_layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+            fp8_rollout_bytes=weight_bytes(convert_to_fp8(model, torch.bfloat16)))
+
+    def saved_per_token_layer(self, dtype_bytes: int) -> int:
+        """Activations one decoder layer keeps for backward, per token: norms' inputs, q/k/v and
+        attention output, and the experts' intermediates (an estimate, as autograd decides)."""
+        attention = 2 * self.hidden + self.q_dim + 2 * self.kv_heads * self.head_dim + self.q_dim
+        experts = self.experts_per_token * 3 * self.expert_intermediate
+        return (attention + experts) * dtype_bytes
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"fp32": 4, "bf16": 2, "fp8": 2}[name]  # FP8 rollout computes (and caches) in bf16
+
+
+def rollout_rank(cfg: Config, derived: Derived, arch: Architecture) -> dict[str, int]:
+    """One rollout rank: its copy of the policy, the KV cache of its share of a generation batch
+    (validation batches are no larger), and the transient buffers of generation and weight sync."""
+    model, rollout = cfg.model, cfg.rollout
+    compute = _dtype_bytes(model.rollout_dtype)
+    weights = arch.fp8_rollout_bytes if model.rollout_dtype == "fp8" else arch.params * compute
+    sequences = math.ceil(rollout.prompts_per_step / derived.num_rollout_ranks) * rollout.sample_num
+    tokens = cfg.data.max_prompt_length + rollout.max_response_length
+    kv_cache = sequences * tokens * 2 * arch.layers * arch.kv_heads * arch.head_dim * compute
+    # Prefill of one layer at a time, three float32 copies of the last position's logits
+    # (logits, log-softmax, the sampling distribution), one weight-sync bucket.
+    prefill = sequences * cfg.data.max_prompt_length * arch.saved_per_token_layer(compute)
+    activations = prefill + 3 * sequences * arch.vocab * 4 + cfg.run.weight_sync_bucket_mb * 2**20
+    return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
+            "total": weights + kv_cache + activations}
+
+
+def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_reference: bool) -> dict[str, Any]:
+    """One learner rank, on its device and on its host (the lead's host: the most loaded)."""
+    shard = math.ceil(arch.params / derived.num_learner_ranks)
+    params = 4 * shard * (2 if with_reference else 1)  # fp32 master weights (+ the KL reference)
+    grads, optimizer = 4 * shard, 8 * shard  # fp32 gradients, AdamW's two fp32 moments
+    compute = 2 if cfg.model.learner_dtype == "bf16" else 4
+    tokens = cfg.optim.per_device_batch_size * (cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+    saved_layers = 1 if cfg.model.gradient_checkpointing else arch.layers
+    layer_inputs = tokens * arch.hidden * compute * arch.layers if cfg.model.gradient_checkpointing else 0
+    response_tokens = cfg.optim.per_device_batch_size * cfg.rollout.max_response_length
+    activations = (tokens * arch.saved_per_token_layer(compute) * saved_layers + layer_inputs
+                   + 2 * response_tokens * arch.vocab * compute  # the logits and their gradient
+                   + 2 * 4 * arch.largest_layer_params)  # FSDP2's gathered layer and the next, prefetched
+    device = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations}
+    device["total"] = sum(device.values())
+    # The lead's full fp32 copy of the weights (weight sync, checkpoint export) and each learner's
+    # host copy of its optimizer shard while a checkpoint is written.
+    host = {"params": 4 * arch.params, "grads": 0, "optimizer": optimizer if cfg.run.save_every else 0}
+    host["total"] = sum(host.values())
+    return {"device": device, "host": host}
+
+
+def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: Optional[int],
+              *, with_reference: bool) -> dict[str, Any]:
+    """The plan as memory_plan.json holds it, every size in bytes."""
+    arch = Architecture.of(model_config)
+    rollout = rollout_rank(cfg, derived, arch)
+    learner = learner_rank(cfg, derived, arch, with_reference=with_reference)
+    ranks_per_node = derived.world_size  # one node: every rank shares the host
+    node_host = learner["host"]["total"] + (derived.num_learner_ranks - 1) * learner["host"]["optimizer"]
+    checkpoint = {"per_step": 4 * arch.params + 8 * arch.params,
+                  "per_learner_rank": 8 * math.ceil(arch.params / derived.num_learner_ranks)}
+    fits = None if device_memory is None else max(rollout["total"], learner["device"]["total"]) <= device_memory
+    layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout + {derived.num_learner_ranks} "
+              f"learner" if derived.world_size > 1 else "1 process (both roles)")
+    return {"model": {"params": arch.params}, "layout": layout, "rollout_rank": rollout, "learner_rank": learner,
+            "node_host_total": node_host, "ranks_per_node": ranks_per_node, "checkpoint": checkpoint,
+            "device_memory": device_memory, "fits": fits}
+
+
+def biggest_overflow(plan: dict[str, Any]) -> Optional[str]:
+    """'ROLE ITEM (SIZE) of TOTAL against DEVICE' for the rank that does not fit, or None."""
+    memory = plan["device_memory"]
+    for role, items in (("learner rank", plan["learner_rank"]["device"]), ("rollout rank", plan["rollout_rank"])):
+        if memory is not None and items["total"] > memory:
+            item = max((k for k in items if k != "total"), key=items.get)
+            return (f"a {role} needs {items['total'] / GIB:.1f} GiB of device memory, {memory / GIB:.1f} GiB "
+                    f"available; the biggest item is {item} ({items[item] / GIB:.1f} GiB)")
+    return None
+
+
+def advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
+    """Settings that would shrink what does not fit."""
+    memory, notes = plan["device_memory"], []
+    rollout, learner = plan["rollout_rank"], plan["learner_rank"]["device"]
+    bf16_rollout = rollout["total"] - rollout["weights"] + 2 * plan["model"]["params"]
+    if memory is not None and cfg.model.rollout_dtype == "fp8" and bf16_rollout > memory:
+        notes.append(f"rollout_dtype fp8 is needed: with bf16 weights a rollout rank would need "
+                     f"{bf16_rollout / GIB:.1f} GiB")
+    if memory is not None and rollout["total"] > memory:
+        if cfg.model.rollout_dtype != "fp8":
+            notes.append(f"rollout_dtype: fp8 would bring the rollout weights from {rollout['weights'] / GIB:.1f} GiB "
+                         f"to about half")
+        if rollout["kv_cache"] > memory / 4:
+            notes.append("fewer sequences per rollout rank (prompts_per_step, sample_num) or a shorter "
+                         "max_response_length shrink the KV cache")
+    if memory is not None and learner["total"] > memory:
+        if learner["params"] + learner["grads"] + learner["optimizer"] > memory / 2:
+            notes.append("the learners need learner_offload (parameters, gradients and AdamW state in host "
+                         "memory; not in this build yet) or more learner ranks")
+        if learner["activations"] > memory / 4:
+            notes.append("gradient_checkpointing: true and a smaller per_device_batch_size shrink the activations")
+    return notes
+
+
+def table(plan: dict[str, Any], notes: list[str]) -> str:
+    gib = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
+    rollout, learner = plan["rollout_rank"], plan["learner_rank"]
+    lines = [f"model: {plan['model']['params'] / 1e9:.2f}B parameters; {plan['layout']}",
+             "rollout rank (device):"]
+    lines += [f"  {k:<12} {gib(v)}" for k, v in rollout.items()]
+    for where in ("device", "host"):
+        lines.append(f"learner rank ({where}):")
+        lines += [f"  {k:<12} {gib(v)}" for k, v in learner[where].items()]
+    lines += [f"host memory per node: {gib(plan['node_host_total'])}",
+              f"checkpoint: {gib(plan['checkpoint']['per_step'])} per step, "
+              f"{gib(plan['checkpoint']['per_learner_rank'])} written by each learner rank"]
+    if plan["device_memory"] is None:
+        lines.append("device memory: unknown (set device_memory_gb): fit not checked")
+    else:
+        lines.append(f"device memory: {gib(plan['device_memory'])}: " + ("fits" if plan["fits"] else "DOES NOT FIT"))
+    lines += [f"  - {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def write(plan: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+
+
+def split_plan_request(argv: list[str]) -> tuple[list[str], Optional[int]]:
+    """(the other arguments, the world size ``--plan [WORLD_SIZE]`` asks about, or None without
+    --plan). The default is torchrun's WORLD_SIZE, else one node of 8 devices."""
+    if "--plan" not in argv:
+        return argv, None
+    at = argv.index("--plan")
+    given = argv[at + 1] if at + 1 < len(argv) and argv[at + 1].isdigit() else None
+    rest = argv[:at] + argv[at + 1 + (given is not None):]
+    return rest, int(given) if given else int(os.environ.get("WORLD_SIZE", "8"))
+
+
+def check(cfg: Config, derived: Derived, device_memory: Optional[int], *, with_reference: bool, plan_only: bool,
+          lead: bool) -> bool:
+    """``--plan``: print the plan and write OUTPUT_DIR/memory_plan.json (returns True: nothing
+    else to do). A run: refuse to start (UserError naming the biggest item) when the plan does
+    not fit the device memory, which is known from ``device_memory_gb`` or the device itself."""
+    from transformers import AutoConfig
+
+    from config import UserError
+
+    memory = int(cfg.run.device_memory_gb * GIB) if cfg.run.device_memory_gb else device_memory
+    if not plan_only and memory is None:
+        return False  # a CPU run without device_memory_gb: nothing to check against
+    model_config = AutoConfig.from_pretrained(cfg.model.model_path, local_files_only=True)
+    plan = make_plan(cfg, derived, model_config, memory, with_reference=with_reference)
+    if plan_only:
+        if lead or "WORLD_SIZE" not in os.environ:  # one line of output per job, not per rank
+            print(table(plan, advice(cfg, plan)), flush=True)
+            out = Path(cfg.run.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            write(plan, out / "memory_plan.json")
+        return True
+    overflow = biggest_overflow(plan)
+    if overflow:
+        raise UserError(f"the memory plan does not fit: {overflow} (python train_dapo.py --config ... --plan "
+                        f"shows it all)")
+    return False
+

@@ -1,0 +1,91 @@
+"""The memory plan against bytes counted by hand, on the demo model and on Qwen3-30B-A3B."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import train_dapo
+from config import Derived, load_config
+from memory_plan import make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hand_count(c) -> dict[str, int]:
+    """Parameters of a Qwen3-MoE config written out layer by layer, and what FP8 stores of them."""
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    hidden, experts, inter = c["hidden_size"], c.get("num_local_experts") or c["num_experts"], c["moe_intermediate_size"]
+    linear = {"q": (q, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, q),
+              "gate_up": (experts * 2 * inter, hidden), "down": (experts * hidden, inter)}  # (rows, columns)
+    small = 2 * c["head_dim"] + 2 * hidden + experts * hidden  # q/k norms, two layer norms, router
+    layers = c["num_hidden_layers"]
+    embed = c["vocab_size"] * hidden
+    others = layers * small + embed + hidden + (0 if c["tie_word_embeddings"] else embed)
+    quantized = layers * sum(rows * cols for rows, cols in linear.values())
+    rows = layers * sum(rows for rows, _ in linear.values())
+    return {"params": quantized + others, "fp8_bytes": quantized + 4 * rows + 2 * others}
+
+
+def test_the_demo_models_plan_is_the_hand_computed_one(demo_assets, tmp_path):
+    from transformers import AutoConfig
+
+    c = json.loads((demo_assets / "model" / "config.json").read_text())
+    counted = hand_count(c)
+    assert counted["params"] == 229_056  # as README says of the demo model
+    # The FP8 copy is measured with its buffers: the rotary embedding's float32 inverse
+    # frequencies, twice (transformers keeps the original beside the current ones).
+    rotary_buffers = 2 * c["head_dim"] // 2 * 4
+    model_config = AutoConfig.from_pretrained(demo_assets / "model")
+    for dtype, kl in (("fp32", "0"), ("fp8", "0.1")):
+        cfg = load_config(["--model_path", str(demo_assets / "model"), "--rollout_dtype", dtype, "--kl_coef", kl,
+                           "--prompts_per_step", "6", "--sample_num", "8", "--max_prompt_length", "64",
+                           "--max_response_length", "8", "--per_device_batch_size", "8",
+                           "--gradient_accumulation_steps", "1"])
+        plan = make_plan(cfg, Derived.of(cfg, 8), model_config, 2**30, with_reference=kl != "0")
+        params = counted["params"]
+        assert plan["model"]["params"] == params
+        # 6 rollout ranks: one prompt x 8 responses each, 64 + 8 tokens, K and V of 2 layers x 2 heads x 16.
+        assert plan["rollout_rank"]["kv_cache"] == 8 * 72 * 2 * 2 * 2 * 16 * (4 if dtype == "fp32" else 2)
+        weights = 4 * params if dtype == "fp32" else counted["fp8_bytes"] + rotary_buffers
+        assert plan["rollout_rank"]["weights"] == weights
+        shard = params // 2 + params % 2  # FSDP2 over 2 learner ranks
+        device = plan["learner_rank"]["device"]
+        assert device["params"] == 4 * shard * (2 if kl != "0" else 1)  # fp32, the KL reference beside it
+        assert (device["grads"], device["optimizer"]) == (4 * shard, 8 * shard)
+        assert plan["learner_rank"]["host"]["params"] == 4 * params  # the lead's fp32 copy
+        assert plan["fits"] is True
+
+
+def test_the_30b_plan_prints_fast_says_what_does_not_fit_and_matches_a_hand_count(tmp_path):
+    config = ROOT / "configs" / "models" / "qwen3-30b-a3b" / "config.json"
+    counted = hand_count(json.loads(config.read_text()))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "train_dapo.py", "--config", "configs/qwen3_30b_a3b_dapo.yaml",
+                           "--model_path", str(config.parent), "--output_dir", str(tmp_path), "--device_memory_gb", "64",
+                           "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr
+    assert seconds < 30  # 4 s here; the issue asks for 10 s on this CPU, the margin is for slower machines
+    plan = json.loads((tmp_path / "memory_plan.json").read_text())
+    params = plan["model"]["params"]
+    assert params == counted["params"] and abs(params - 30.53e9) < 0.01e9
+    assert plan["rollout_rank"]["weights"] == pytest.approx(counted["fp8_bytes"], rel=1e-4)
+    # 32 prompts x 8 over 6 rollout ranks: 6 prompts, 48 sequences of 2048 + 2048 tokens, 48 layers x 4 KV heads x 128.
+    assert plan["rollout_rank"]["kv_cache"] == 48 * 4096 * 2 * 48 * 4 * 128 * 2
+    learner = plan["learner_rank"]["device"]
+    # 30.5B x (4 + 4 + 8) bytes over 2 learners = 244 GB, plus the fp32 KL reference (kl_coef_init 0.05).
+    assert learner["params"] + learner["grads"] + learner["optimizer"] == pytest.approx(params * 20 / 2, rel=1e-6)
+    assert plan["fits"] is False
+    assert "DOES NOT FIT" in proc.stdout and "learner_offload" in proc.stdout
+    assert "rollout_dtype fp8 is needed: with bf16 weights" in proc.stdout
+
+
+def test_a_run_that_cannot_fit_is_refused_naming_the_biggest_item(demo_argv, tmp_path, capsys):
+    assert train_dapo.main(demo_argv + ["--device_memory_gb", "0.001"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the memory plan does not fit: a learner rank needs")
+    assert "the biggest item is" in err[0]
+    assert not (tmp_path / "run").exists()

@@ -236,22 +236,24 @@ def _one_process_is_fine() -> Iterator[None]:
         yield
 
 
+def copy_tensors_to_host(state: Any) -> Any:
+    """``state`` with every tensor (a DTensor keeps its sharding) copied to host memory, so the
+    optimizer may change the originals while a writer thread saves the copies. Written out
+    rather than DCP's stager, whose deep copy fails on some torch versions the project
+    supports (torch 2.11: KeyError <class 'type'>)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("cpu", copy=True), state)
+
+
 class OptimizerSaver:
     """Each learner's shard of the optimizer state through DCP: copied to host memory when the
     checkpoint is taken (:meth:`stage`), written later (:meth:`write`, on a writer thread)."""
 
-    def __init__(self) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        # Synchronous, unpinned copies; the stager reuses its host buffers from one save to the
-        # next, so a write must finish before the next stage (BackgroundWriter.start waits).
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                    use_async_staging=False, use_non_blocking_copy=False))
-
     def stage(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return {"optimizer": self._stager.stage(get_optimizer_state_dict(model, optimizer))}
+        return {"optimizer": copy_tensors_to_host(get_optimizer_state_dict(model, optimizer))}
 
     @staticmethod
     def write(folder: Path, staged: dict[str, Any], group: Optional[Any]) -> None:

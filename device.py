@@ -128,12 +128,13 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> to
     return torch.nn.functional.linear(x, weight)
 
 
-def step_generator(seed: int, *keys: int) -> torch.Generator:
-    """A generator that depends only on (seed, keys): the same draw on every run and resume."""
+def step_generator(seed: int, *keys: int, device: torch.device = torch.device("cpu")) -> torch.Generator:
+    """A generator on ``device`` (where the tensors it draws for live) that depends only on
+    (seed, keys): the same draws on every run and resume on that kind of device."""
     mixed = seed
     for key in keys:
         mixed = (mixed * 1_000_003 + key + 1) % (2**63 - 1)
-    return torch.Generator().manual_seed(mixed)
+    return torch.Generator(device=device).manual_seed(mixed)
 
 
 def seed_everything(seed: int) -> None:
@@ -187,6 +188,7 @@ def env_report(plat: Platform, world_size: int) -> dict[str, Any]:
         "device_names": devices or [host.processor() or host.machine()],
         "hostname": socket.gethostname(),
         "world_size": world_size,
+        "cpu_binding": os.environ.get("DAPO_CPU_BINDING"),  # what launch.sh applied (article 5.3)
     }
 
 

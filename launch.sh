@@ -48,8 +48,17 @@ setup() {
 torchrun_cmd() {
   local py; py=$(python_bin)
   local platform; platform=$("$py" -c 'from device import select_platform; print(select_platform().kind)')
+  # Each rank's host threads on its device's NUMA node (article 5.3), unless the user chose:
+  # the Ascend extension's CPU_AFFINITY_CONF (2 = fine-grained; 1 on older releases), torchrun's
+  # --numa-binding on CUDA (NUMA_BINDING=none turns it off). env_report.json records which.
+  local binding=()
   if [[ "$platform" == npu ]]; then
     export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}" HCCL_TIMEOUT="${HCCL_TIMEOUT:-3000}"
+    export CPU_AFFINITY_CONF="${CPU_AFFINITY_CONF:-2}" DAPO_CPU_BINDING="CPU_AFFINITY_CONF=${CPU_AFFINITY_CONF:-2}"
+  elif [[ "$platform" == cuda && "${NUMA_BINDING:-node}" != none ]] \
+      && "$py" -m torch.distributed.run --help 2>/dev/null | grep -q -- --numa-binding; then
+    binding=(--numa-binding "${NUMA_BINDING:-node}")
+    export DAPO_CPU_BINDING="torchrun --numa-binding ${NUMA_BINDING:-node}"
   fi
   local nnodes="${NNODES:-1}"
   # A 5 s monitor interval gives the surviving ranks time to report which phase broke before
@@ -57,7 +66,7 @@ torchrun_cmd() {
   # MAX_RESTARTS > 0: after a crash torchrun restarts every rank and the run resumes from its
   # newest complete checkpoint by itself.
   local args=(--nproc_per_node="${NPROC_PER_NODE:-8}" --nnodes="$nnodes" --monitor_interval=5
-              --max-restarts="${MAX_RESTARTS:-0}")
+              --max-restarts="${MAX_RESTARTS:-0}" ${binding[@]+"${binding[@]}"})
   if [[ "$nnodes" -gt 1 ]]; then
     args+=(--node_rank="${NODE_RANK:?NODE_RANK must be set for multi-node}"
            --rdzv_backend=c10d --rdzv_endpoint="${MASTER_ADDR:?MASTER_ADDR must be set}:${MASTER_PORT:-29500}")

@@ -72,6 +72,7 @@ class Learner:
         self.ref_model = None
         if uses_reference_model(cfg):
             self.ref_model = load_model(base_path, torch.float32, plat.device).eval().requires_grad_(False)
+        self.sharded = False
         if layout.num_learners > 1:
             self._shard_models()
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate,
@@ -83,15 +84,23 @@ class Learner:
         self.full_weights: list[torch.Tensor] = []  # the lead's host copy of the latest weights
 
     def _shard_models(self) -> None:
-        """FSDP2 over the learner group: parameters, gradients and optimizer state split (ZeRO-3)."""
+        """FSDP2 over the learner group: parameters, gradients and optimizer state split (ZeRO-3).
+
+        With learner_dtype bf16, FSDP2 gathers each layer's fp32 master weights as bf16 and
+        reduces gradients in fp32: bf16 compute that reaches every matmul, fused MoE experts
+        included, which autocast does not (PLATFORM.md: grouped_mm experts stay fp32 under it).
+        """
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = DeviceMesh.from_group(self.groups.learners, self.plat.device.type)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.cfg.model.learner_dtype == "bf16" else MixedPrecisionPolicy()
         for model in filter(None, (self.policy, self.ref_model)):
             for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+        self.sharded = True
 
     def rollout_copy(self, rollout_dtype: str) -> torch.nn.Module:
         """An unsharded copy of the policy for a one-process run's rollout side."""
@@ -102,8 +111,9 @@ class Learner:
     # ----- schedules and precision ---------------------------------------------------------------
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        # bf16 compute over fp32 master weights and optimizer state, as mixed-precision trainers do.
-        if self.cfg.model.learner_dtype == "bf16":
+        """bf16 compute over fp32 master weights for an unsharded learner (one learner rank);
+        sharded learners get it from FSDP2's mixed-precision policy instead."""
+        if self.cfg.model.learner_dtype == "bf16" and not self.sharded:
             return torch.autocast(device_type=self.plat.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -135,7 +145,10 @@ class Learner:
         width = batch.response_ids.shape[1]
         with self.autocast():
             logits = model(input_ids=ids, attention_mask=attention.long(), position_ids=positions,
-                           use_cache=False, logits_to_keep=width + 1).logits[:, :-1]
+                           use_cache=False, logits_to_keep=width + 1).logits
+        # One contiguous copy that the log-prob and entropy kernels both view (and save for
+        # backward), instead of one copy each of a strided slice.
+        logits = logits[:, :-1].contiguous()
         temperature = self.cfg.rollout.temperature
         logp = dapo_loss.token_logprobs(logits, batch.response_ids.to(device), temperature)
         entropy = None

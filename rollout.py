@@ -9,6 +9,7 @@ prompts: that is what makes runs repeatable and resume exact.
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -309,13 +310,15 @@ class Rollout:
     """
 
     def __init__(self, cfg: Config, plat: Platform, layout: Layout, model: torch.nn.Module, tokenizer,
-                 train_set, val_set, val_batch_size: int) -> None:
+                 train_set, val_set) -> None:
         self.cfg, self.plat, self.train_set, self.val_set = cfg, plat, train_set, val_set
         self.model = model.eval().requires_grad_(False)
         self.model.config.use_cache = True
         single = layout.world_size == 1
         self.shard_index, self.num_shards = (0, 1) if single else (layout.rollout_index, layout.num_rollout)
-        self.val_batch_size = max(1, val_batch_size)
+        # Validation prompts go no more at a time than a training generation batch's sequences,
+        # whose KV cache the memory plan counts.
+        self.val_batch_size = math.ceil(cfg.rollout.prompts_per_step / self.num_shards) * cfg.rollout.sample_num
         self.weight_version = 0
         self.worker = RolloutWorker(
             self.model, tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device),
@@ -339,7 +342,7 @@ class Rollout:
         batch, scored = self.worker.rollout(
             [data.prompt_ids[r] for r in mine], [data.prompt_texts[r] for r in mine], [data.answers[r] for r in mine],
             mine, group_size=self.cfg.rollout.sample_num, version=self.weight_version,
-            generator=step_generator(self.cfg.run.seed, step, gen_index, self.shard_index))
+            generator=step_generator(self.cfg.run.seed, step, gen_index, self.shard_index, device=self.plat.device))
         self.plat.release_cache()
         return batch, scored.num_malformed, time.perf_counter() - start
 
@@ -359,7 +362,7 @@ class Rollout:
             batch, _ = self.worker.rollout(
                 [val.prompt_ids[r] for r in rows], [val.prompt_texts[r] for r in rows], [val.answers[r] for r in rows],
                 rows, group_size=1, version=self.weight_version, sampling=sampling,
-                generator=step_generator(self.cfg.run.seed, -1, self.weight_version, start))
+                generator=step_generator(self.cfg.run.seed, -1, self.weight_version, start, device=self.plat.device))
             sums = [sums[0] + batch.reward.sum().item(), sums[1] + batch.correct.sum().item(), sums[2] + len(rows)]
         return sums
 

@@ -74,8 +74,7 @@ class Trainer:
         if self.single or not layout.is_learner:
             model = self.learner.rollout_copy(cfg.model.rollout_dtype) if self.single else \
                 load_rollout_model(weights_path, cfg.model.rollout_dtype, plat.device)
-            self.rollout = Rollout(cfg, plat, layout, model, self.tokenizer, self.train_set, self.val_set,
-                                   val_batch_size=derived.sequences_per_step)
+            self.rollout = Rollout(cfg, plat, layout, model, self.tokenizer, self.train_set, self.val_set)
         if not self.single and (lead or not layout.is_learner):
             weights_format = RolloutWeights(self.learner.policy.config, cfg.model.rollout_dtype) if lead \
                 else self.rollout.weights

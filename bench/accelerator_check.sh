@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Does this project run on this machine's GPU or NPU, and how fast? One command, meant to finish
+# within 6 minutes on one H200 (so far run only on a 2-core CPU, with PROBE_SMALL=1: 1 minute):
+#
+#     bash bench/accelerator_check.sh
+#
+# Prints one line per check, PASS, FAIL or SKIP, with its seconds:
+#   device  the versions (python, torch, transformers, trl) and the device chosen
+#   smoke   a matmul on the device and a 1-process all_reduce on its backend (smoke.py, which
+#           always takes the device that auto picks)
+#   demo    the demo trains STEPS steps on the device, checkpoints, and resumes exactly
+#           (bench/demo_on_device.py)
+#   probe   3 DAPO steps on Qwen3-30B-A3B's geometry with PROBE_LAYERS of its layers: the step
+#           time split into generation, train and weight sync, tokens/s, MFU, peak device memory
+#           (bench/probe_step.py)
+#   trl     TRL's GRPOTrainer on the same probe and work, and the ratios ours / TRL; SKIP when
+#           trl or datasets is not installed (bench/probe_trl.py)
+# A failed check prints "FAIL <check>: <why>" and the next one still runs; the exit status is 1
+# when any check failed. Needs torch, transformers, safetensors, accelerate, pyyaml (with the
+# numpy, tokenizers and tqdm they bring) and matplotlib (train_dapo draws curves.png at every
+# validation and at the end); not datasets or tensorboard, no network and no pip install: the
+# project runs from this folder through PYTHONPATH.
+#
+# Settings, from the environment:
+#   PYTHON         the interpreter (python3)
+#   DEVICE         auto, cuda, npu or cpu (auto: device.select_platform picks npu, cuda, then cpu)
+#   STEPS          demo steps, an even number; the resumed run restarts at STEPS/2 (200)
+#   PROBE_LAYERS   probe layers, of Qwen3-30B-A3B's 48 (4: 3.1B parameters, 6 GB on disk)
+#   PROBE_SMALL    1: a tiny probe geometry, to try this script on a CPU (0)
+#   PEAK_TFLOPS    the device's dense bf16 peak, for MFU (989: H100 and H200 SXM)
+#   CHECK_TIMEOUT  seconds after which a check is stopped and counted as failed (300)
+#   OUT            where runs, the probe and each check's log (OUT/<check>.log) go (a new /tmp folder)
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+DEVICE=${DEVICE:-auto}
+STEPS=${STEPS:-200}
+PROBE_LAYERS=${PROBE_LAYERS:-4}
+PROBE_SMALL=${PROBE_SMALL:-0}
+PEAK_TFLOPS=${PEAK_TFLOPS:-989}
+CHECK_TIMEOUT=${CHECK_TIMEOUT:-300}
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/accelerator_check.XXXXXX")}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$ROOT" || exit 1
+mkdir -p "$OUT" || exit 1
+
+checks=0
+failures=0
+
+# report LINE: print a check's line; anything but PASS or SKIP counts as a failure.
+report() {
+  echo "$1"
+  checks=$((checks + 1))
+  [[ $1 == PASS* || $1 == SKIP* ]] || failures=$((failures + 1))
+}
+
+last_line() {
+  grep -v '^[[:space:]]*$' "$1" | tail -n 1 | cut -c1-300
+}
+
+# run_check NAME COMMAND...: run COMMAND with its output in OUT/NAME.log and report the
+# "PASS|FAIL|SKIP NAME: ..." line it printed last, or why it printed none.
+run_check() {
+  local name=$1
+  shift
+  local log="$OUT/$name.log" started=$SECONDS status line
+  timeout "$CHECK_TIMEOUT" "$@" >"$log" 2>&1
+  status=$?
+  line=$(grep -E "^(PASS|FAIL|SKIP) $name:" "$log" | tail -n 1)
+  if [[ $status -eq 124 ]]; then
+    line="FAIL $name: stopped after CHECK_TIMEOUT=$CHECK_TIMEOUT s (log: $log)"
+  elif [[ -z $line || ($status -ne 0 && $line != FAIL*) ]]; then
+    line="FAIL $name: exit status $status: $(last_line "$log") (log: $log)"
+  fi
+  report "$line [$((SECONDS - started)) s]"
+}
+
+# Inline rather than a file of its own: a few lines that only this script needs.
+read -r -d '' DEVICE_REPORT <<'PY'
+import platform, sys
+from importlib import metadata
+
+import torch, transformers
+from device import select_platform
+
+plat = select_platform(sys.argv[1])
+try:
+    trl = metadata.version("trl")
+except metadata.PackageNotFoundError:
+    trl = "not installed"
+if plat.module is None:
+    hardware = platform.processor() or platform.machine()
+else:
+    hardware = f"{plat.module.get_device_name(plat.local_rank)}, {plat.memory_bytes() / 2**30:.0f} GiB"
+print(f"PASS device: {plat.device} ({hardware}), backend {plat.backend}; python {platform.python_version()}, "
+      f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl}")
+PY
+
+smoke_check() {
+  local log="$OUT/smoke.log" started=$SECONDS
+  if timeout "$CHECK_TIMEOUT" "$PYTHON" smoke.py matmul >"$log" 2>&1 &&
+    timeout "$CHECK_TIMEOUT" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=1 \
+      smoke.py all_reduce >>"$log" 2>&1; then
+    report "PASS smoke: a matmul on $(grep -m1 -o 'device=[^ ]*' "$log" | cut -d= -f2) and a 1-process all_reduce on \
+$(grep -m1 -o 'backend=[^ ]*' "$log" | cut -d= -f2) give the host's sums [$((SECONDS - started)) s]"
+  else
+    report "FAIL smoke: $(last_line "$log") (log: $log) [$((SECONDS - started)) s]"
+  fi
+}
+
+probe_options=(--layers "$PROBE_LAYERS")
+[[ $PROBE_SMALL == 1 ]] && probe_options+=(--small)
+
+echo "accelerator_check: DEVICE=$DEVICE STEPS=$STEPS PROBE_LAYERS=$PROBE_LAYERS PROBE_SMALL=$PROBE_SMALL; runs and logs in $OUT"
+run_check device "$PYTHON" -c "$DEVICE_REPORT" "$DEVICE"
+smoke_check
+run_check demo "$PYTHON" bench/demo_on_device.py --out "$OUT/demo" --device "$DEVICE" --steps "$STEPS"
+run_check probe "$PYTHON" bench/probe_step.py --out "$OUT" --device "$DEVICE" --peak-tflops "$PEAK_TFLOPS" \
+  "${probe_options[@]}"
+if [[ -f $OUT/probe/probe.json ]]; then
+  run_check trl "$PYTHON" bench/probe_trl.py --out "$OUT" --device "$DEVICE"
+else
+  report "SKIP trl: no probe model was built (see the probe line)"
+fi
+echo "accelerator_check: $failures of $checks checks failed"
+exit $((failures > 0))

@@ -15,6 +15,7 @@ business (train_dapo.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -27,7 +28,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+import memory_plan
 from config import UserError
+from metrics import warn
 from ranks import gather_json, phase
 
 STEP_PREFIX = "step_"
@@ -94,6 +97,18 @@ def remove_partial_saves(ckpt_root: Path) -> None:
             shutil.rmtree(stale)
 
 
+# Held while a step folder is marked complete and moved into place. A process being stopped takes
+# it for good (stop_completing), so that the checkpoint its last line names stays the newest
+# complete one; a save under way then stays a .tmp_ folder, which the next run removes.
+_completing = threading.Lock()
+
+
+def stop_completing() -> None:
+    """For a process about to exit: no checkpoint completes from now on (one that is being
+    marked complete this instant finishes first)."""
+    _completing.acquire()
+
+
 def save_step(ckpt_root: Path, step: int, write_contents: Callable[[Path], None], *, keep_last: int) -> Path:
     """Write one step folder atomically; ``write_contents(tmp_dir)`` fills it (other ranks may
     have written their shards into the same temporary folder already)."""
@@ -102,13 +117,14 @@ def save_step(ckpt_root: Path, step: int, write_contents: Callable[[Path], None]
     write_contents(tmp)
     _fsync_tree(tmp)
     sizes = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    _write_text_atomic(tmp / COMPLETE, json.dumps({"step": step, "file_sizes": sizes}, indent=1) + "\n")
     final = ckpt_root / step_dir_name(step)
-    if final.exists():  # a re-run of this step after a resume from an earlier one
-        _delete_step(final)
-    os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
-    _write_text_atomic(ckpt_root / "latest", final.name + "\n")
+    with _completing:
+        _write_text_atomic(tmp / COMPLETE, json.dumps({"step": step, "file_sizes": sizes}, indent=1) + "\n")
+        if final.exists():  # a re-run of this step after a resume from an earlier one
+            _delete_step(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_root)
+        _write_text_atomic(ckpt_root / "latest", final.name + "\n")
     for old in complete_steps(ckpt_root)[:-keep_last]:
         _delete_step(old)
     return final
@@ -151,7 +167,31 @@ class BackgroundWriter:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"writing a checkpoint failed: {error}") from error
+            cause = _causes(error)[-1]
+            detail = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+            raise CheckpointError(f"writing a checkpoint failed: {detail}") from error
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error`` and what it came from, back to where the failure started (DCP hands each rank's
+    failure over inside a CheckpointException; a failed write there shows as a position mismatch
+    raised while handling the OSError)."""
+    chain = [error]
+    while True:
+        failures = getattr(chain[-1], "failures", None)  # DCP's {rank: (exception, traceback)}
+        earlier = next(iter(failures.values()))[0] if failures else chain[-1].__cause__ or chain[-1].__context__
+        if earlier is None or earlier in chain:
+            return chain
+        chain.append(earlier)
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` comes from a full disk (or an exhausted quota)."""
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _causes(error))
+
+
+def human_size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def check_step(folder: Path) -> None:
@@ -203,6 +243,14 @@ def find_checkpoint(ckpt_root: Path, spec: str, warn: Callable[[str], None]) -> 
         except CheckpointError as error:
             warn(f"skipping {error}")
     return None
+
+
+def resume_hint(output_dir: Path) -> str:
+    """Where ``--resume_from_checkpoint auto`` would continue this run from, said for its user."""
+    folder = find_checkpoint(output_dir / "checkpoints", "auto", warn=lambda message: None)
+    if folder is None:
+        return "no checkpoint is complete yet: --resume_from_checkpoint auto would start over"
+    return f"--resume_from_checkpoint auto continues from {folder}"
 
 
 # ----- formats ---------------------------------------------------------------------------------
@@ -341,6 +389,7 @@ class Checkpointer:
         self.learner, self.rollout, self.sampler, self.report = learner, rollout, sampler, report
         self.out_dir = Path(cfg.run.output_dir)
         self.root = self.out_dir / "checkpoints"
+        self.warned_of_space = False
 
     def rank_state(self) -> dict[str, Any]:
         """What this rank alone knows: its random generators and, on rollout ranks, the data position."""
@@ -368,6 +417,7 @@ class Checkpointer:
                 states = gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync,
                                      self.plat.device)[:-1]
         staged, learner_states = self.learner.stage_checkpoint(self.rank_state())
+        self.warn_if_it_may_not_fit(version)
         learner = self.learner
         state = {"step": version, "weight_version": version, "generated_through_step": version + (collected is not None),
                  "collected_ahead_row": collected[1] if collected is not None else None, **learner.counters(),
@@ -392,6 +442,22 @@ class Checkpointer:
         self.learner.writer.start(f"save-{version}",
                                   lambda: save_step(self.root, version, contents, keep_last=self.cfg.run.keep_last))
         return time.perf_counter() - start
+
+    def warn_if_it_may_not_fit(self, version: int) -> None:
+        """Warn, once a run, when output_dir's filesystem has less room than checkpoint ``version``
+        needs: as much as the newest complete one, or before the first, the memory plan's count."""
+        if self.warned_of_space:
+            return
+        newest = complete_steps(self.root)[-1:]
+        needed = sum(read_json(newest[0] / COMPLETE)["file_sizes"].values()) if newest else \
+            memory_plan.checkpoint_bytes(sum(p.numel() for p in self.learner.policy.parameters()))
+        free = shutil.disk_usage(self.out_dir).free
+        if free < needed:
+            self.warned_of_space = True
+            warn(f"checkpoint {step_dir_name(version)} needs about {human_size(needed)}, and the filesystem of "
+                 f"{self.out_dir} has {human_size(free)} free: the save is likely to fail. Keep fewer checkpoints "
+                 f"(keep_last {self.cfg.run.keep_last}), save less often (save_every {self.cfg.run.save_every}), "
+                 f"or put output_dir on another disk")
 
     def restore(self, folder: Path, saved: dict[str, Any]) -> None:
         """Everything but the weights (loaded with the models): optimizer, counters, sample buffer,

@@ -75,7 +75,9 @@ torchrun_cmd() {
   else
     args+=(--standalone)  # picks a free port, so two jobs on one machine do not collide
   fi
-  "$py" -m torch.distributed.run "${args[@]}" "$@"
+  # torchrun through stopping.py: Ctrl-C or SIGTERM ends the job with the run's own line and
+  # 128 + the signal number, not torchrun's traceback.
+  "$py" stopping.py "${args[@]}" "$@"
 }
 
 cmd="${1:-}"; [[ -n "$cmd" ]] || usage; shift

@@ -113,6 +113,11 @@ def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_refe
     return {"device": device, "host": host}
 
 
+def checkpoint_bytes(params: int) -> int:
+    """A checkpoint's size: the fp32 weights and AdamW's two fp32 moments (the rest is small)."""
+    return 4 * params + 8 * params
+
+
 def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: Optional[int],
               *, with_reference: bool) -> dict[str, Any]:
     """The plan as memory_plan.json holds it, every size in bytes."""
@@ -121,7 +126,7 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     learner = learner_rank(cfg, derived, arch, with_reference=with_reference)
     ranks_per_node = derived.world_size  # one node: every rank shares the host
     node_host = learner["host"]["total"] + (derived.num_learner_ranks - 1) * learner["host"]["optimizer"]
-    checkpoint = {"per_step": 4 * arch.params + 8 * arch.params,
+    checkpoint = {"per_step": checkpoint_bytes(arch.params),
                   "per_learner_rank": 8 * math.ceil(arch.params / derived.num_learner_ranks)}
     fits = None if device_memory is None else max(rollout["total"], learner["device"]["total"]) <= device_memory
     layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout + {derived.num_learner_ranks} "

@@ -4,7 +4,9 @@ Ranks 0 .. W-L-1 roll out, W-L .. W-1 learn (L = learner_ranks); the first learn
 groups: ``learners`` (sharded training), ``sync`` (lead learner + rollout ranks: samples go
 up, flags and weights come down) and the world. Everything crosses as tensors, never pickled
 objects. Every collective runs under ``dist_timeout_s`` inside :func:`phase`, so a dead peer
-becomes an error naming what the run was doing instead of a silent hang.
+becomes an error naming what the run was doing instead of a silent hang. An exchange that may
+wait long for a busy peer (a generation batch, a training step) first waits in the store, where
+a peer is given up only when its heartbeat stops (liveness.py).
 """
 from __future__ import annotations
 
@@ -12,10 +14,7 @@ import contextlib
 import datetime
 import json
 import os
-import signal
 import socket
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Protocol, Sequence
@@ -23,6 +22,8 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+import faults
+from liveness import Liveness
 from samples import SampleBatch
 
 NEXT, MORE = 0, 1  # the lead learner's answer after each generation batch
@@ -33,6 +34,24 @@ class PhaseError(RuntimeError):
 
 
 _current_phase = "start-up"
+_current_step = 0  # the trainer's step on this rank (at_step)
+_liveness: Optional[Liveness] = None  # a multi-rank job's, from init_world on
+
+
+def at_step(step: int) -> None:
+    """This rank begins its step ``step`` (said in its heartbeat and stop lines, matched by
+    DAPO_FAULT); its work outside the named phases is "training" from now on, not "start-up"."""
+    global _current_phase, _current_step
+    _current_phase, _current_step = "training", step
+
+
+def whereabouts() -> tuple[str, int]:
+    """The phase and the step this rank is in."""
+    return _current_phase, _current_step
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 @contextlib.contextmanager
@@ -40,36 +59,22 @@ def phase(name: str) -> Iterator[None]:
     global _current_phase
     outer, _current_phase = _current_phase, name
     try:
+        faults.strike(_rank(), name, _current_step, _liveness.peer if _liveness else lambda rank: None)
         yield
     except PhaseError:
         raise
     except Exception as error:  # gloo/NCCL/HCCL raise several types for a lost peer or a timeout
-        rank = dist.get_rank() if dist.is_initialized() else 0
         detail = " ".join(str(error).split())[:300]
-        raise PhaseError(f"rank {rank}: {name} failed (a peer died or timed out): {detail}") from error
+        raise PhaseError(f"rank {_rank()}: {name} failed (a peer died or timed out): {detail}") from error
     finally:
         _current_phase = outer
 
 
-def report_phase_on_sigterm(rank: int) -> None:
-    """When torchrun stops this rank because another one died, say which phase it was in.
-
-    A rank blocked inside a collective never returns to Python to run a signal handler, so the
-    C-level handler writes to a wake-up pipe and a watcher thread reports and exits.
-    """
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    signal.set_wakeup_fd(write_end)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watcher thread does the work
-
-    def watch() -> None:
-        while signal.SIGTERM not in os.read(read_end, 16):  # other signals wake it too
-            pass
-        print(f"error: rank {rank}: {_current_phase} failed (the launcher stopped this rank after another "
-              f"rank died)", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="sigterm-report", daemon=True).start()
+def _everyone_here(group: Optional[dist.ProcessGroup]) -> None:
+    """Wait, in the store, until every member of ``group`` (None: the world) has come to this
+    exchange, however long a live member takes (liveness.py)."""
+    if _liveness is not None:
+        _liveness.wait_for(dist.get_process_group_ranks(group))
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,7 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
                    device: torch.device, group_size: int) -> Optional[tuple[list[SampleBatch], torch.Tensor]]:
     """Rollout ranks send their batch (or None) plus a few numbers; the lead receives, in rank order,
     every non-empty batch and a [num_rollout, len(header_values)] table of the numbers."""
+    _everyone_here(groups.sync)
     dst = layout.lead_learner
     rows = 0 if batch is None else batch.prompt_ids.shape[0]
     width_p = 0 if batch is None else batch.prompt_ids.shape[1]
@@ -222,6 +228,7 @@ def broadcast_flag(value: int, src: int, group: dist.ProcessGroup, device: torch
 def broadcast_samples(batch: Optional[SampleBatch], src: int, group: dist.ProcessGroup, device: torch.device,
                       group_size: int) -> SampleBatch:
     """The lead learner's step batch to every learner."""
+    _everyone_here(group)
     shape = torch.tensor([0, 0, 0] if batch is None else
                          [batch.prompt_ids.shape[0], batch.prompt_ids.shape[1], batch.response_ids.shape[1]],
                          dtype=torch.long, device=device)
@@ -238,6 +245,7 @@ def broadcast_samples(batch: Optional[SampleBatch], src: int, group: dist.Proces
 
 
 def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    _everyone_here(group)
     tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(tensor, group=group)
     return tensor.cpu().tolist()
@@ -288,6 +296,7 @@ class WeightBroadcast:
                                   dtype=torch.uint8, device=device)
 
     def send(self, tensors: Sequence[torch.Tensor], version: int) -> None:
+        _everyone_here(self.group)
         broadcast_flag(version, self.src, self.group, self.device)
         for bucket in self.plan:
             filled = self.buffer[:sum(self.sizes[i] for i in bucket)]
@@ -296,6 +305,7 @@ class WeightBroadcast:
 
     def receive(self) -> int:
         """Decode the next version into place; returns its number."""
+        _everyone_here(self.group)
         version = broadcast_flag(-1, self.src, self.group, self.device)
         with torch.no_grad():
             for bucket in self.plan:
@@ -309,6 +319,7 @@ class WeightBroadcast:
 def gather_json(value: Any, dst: int, group: dist.ProcessGroup, device: torch.device) -> Optional[list[Any]]:
     """Every rank's JSON-safe ``value``, in group order, on global rank ``dst`` (None elsewhere).
     JSON bytes in a tensor, so nothing is unpickled on the receiving side."""
+    _everyone_here(group)
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
@@ -376,9 +387,42 @@ def _attempt_store(rank: int, timeout: datetime.timedelta) -> Optional[dist.Stor
 
 def init_world(layout: Layout, backend: str, timeout_s: float) -> Groups:
     """Join the torchrun job (env:// rendezvous, in a store of this attempt's own: see
-    :func:`_attempt_store`), every collective bounded by timeout_s, and create the subgroups."""
+    :func:`_attempt_store`), every collective bounded by timeout_s, start this rank's heartbeat
+    and create the subgroups."""
+    global _liveness
     timeout = datetime.timedelta(seconds=timeout_s)
+    role = "lead learner" if layout.is_lead else layout.role
     with phase("process group start-up"):
         dist.init_process_group(backend, store=_attempt_store(layout.rank, timeout), rank=layout.rank,
                                 world_size=layout.world_size, timeout=timeout)
+        _liveness = Liveness(dist.distributed_c10d._get_default_store(), layout.rank, timeout_s,
+                             describe=lambda: {"phase": _current_phase, "step": _current_step, "role": role})
         return init_groups(layout, backend, timeout_s)
+
+
+def finish_together() -> None:
+    """Wait for every rank before any tears the groups down: a rank that finishes early must not
+    close gloo pairs that others still use (the lead may still be writing its last checkpoint)."""
+    if not dist.is_initialized():
+        return  # one process: nobody to wait for
+    with phase("shutdown"):
+        _everyone_here(None)
+        # Before the barrier: rank 0 leaves once past it and takes the store with it, which a
+        # heartbeat must not outlive (c10d prints pages of warnings about the lost connection).
+        stop_heartbeat()
+        dist.barrier()
+
+
+def stop_heartbeat() -> None:
+    global _liveness
+    if _liveness is not None:
+        _liveness.stop()
+        _liveness = None
+
+
+def leave_world() -> None:
+    """Stop the heartbeat and destroy the process groups, if this process has them (an exit with
+    live gloo groups can abort after success)."""
+    stop_heartbeat()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -19,18 +19,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 import ckpt
 import dapo_loss
 import memory_plan
+import stopping
 from config import Config, Derived, Schedule, UserError, load_config, warnings_for
 from data_prep import load_run_inputs
 from device import Platform, seed_everything, select_platform, write_env_report
 from learner import Learner, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
-from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum,
-                   broadcast_samples, init_world, phase, report_phase_on_sigterm)
+from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum, at_step,
+                   broadcast_samples, finish_together, init_world, leave_world, phase)
 from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, check_rollout_inputs,
                      load_rollout_model)
 from samples import SampleBatch
@@ -114,6 +114,7 @@ class Trainer:
         if self.rollout.weight_version == 0 and self.schedule.validates(0):  # a resumed run validated v0 long ago
             self.send_validation()
         for step in range(self.first_generation_step, run.max_steps + 1 + self.schedule.collects_past_the_end()):
+            at_step(step)
             while self.rollout.weight_version < max(0, step - 1 - run.max_staleness):
                 self.receive_weights()
             gen_index, flag = 0, MORE
@@ -150,6 +151,7 @@ class Trainer:
             self.report.write(row)
         last_end = time.perf_counter()
         for step in range(self.schedule.resumed_from + 1, run.max_steps + 1):
+            at_step(step)
             batch, row, save_time = None, {}, None
             if lead:
                 if stale == 0:
@@ -269,8 +271,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
                                 resuming=cfg.run.resume_from_checkpoint is not None or resume is not None)
         role = "rollout+learner" if world_size == 1 else layout.role + " (lead)" * lead
         log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} backend={plat.backend}")
+        stopping.watch(layout, out)  # Ctrl-C and SIGTERM end the run with one line from here on
         if world_size > 1:
-            report_phase_on_sigterm(layout.rank)
             plat.bind()
             groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s)
         seed_everything(cfg.run.seed + layout.rank)
@@ -281,18 +283,16 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
             (out / "config.yaml").write_text(cfg.to_yaml())
             write_env_report(out / "env_report.json", plat, world_size)
         trainer.train()
-        if groups is not None:
-            with phase("shutdown"):
-                dist.barrier()  # ranks that finish early must not tear down gloo pairs others still use
+        finish_together()
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
-    except (PhaseError, ckpt.CheckpointError) as e:
-        sys.stderr.write(f"error: {e}\n")
+    except (PhaseError, ckpt.CheckpointError, OSError) as e:  # OSError: a full disk among others
+        sys.stderr.write(f"error: {stopping.failure_line(e)}\n")
         return 1
     finally:
-        if groups is not None:
-            dist.destroy_process_group()  # an exit with live gloo groups can abort after success
+        stopping.unwatch()
+        leave_world()
     return 0
 
 

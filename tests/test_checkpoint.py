@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckpt
+import memory_plan
 import train_dapo
 from config import Derived, load_config
 from device import select_platform
@@ -268,3 +269,51 @@ def test_a_restarted_job_prefers_its_own_newest_checkpoint(demo_argv, tmp_path):
     assert resume_folder(cfg, restarted=True) == out / "checkpoints" / ckpt.step_dir_name(9)
     fresh = load_config(demo_argv + ["--output_dir", str(tmp_path / "fresh")])
     assert resume_folder(fresh, restarted=True) is None
+
+
+# ----- disk space ----------------------------------------------------------------------------------
+
+def test_a_checkpoint_that_may_not_fit_is_warned_of_once(demo_argv, demo_assets, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from transformers import AutoConfig
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2**20))  # 1 MiB free, it says
+    out = tmp_path / "run"
+    assert train_dapo.main(run_argv(demo_argv, out, 3)) == 0  # the disk is not really full: every save succeeds
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "needs about" in line]
+    # Before the first checkpoint, the memory plan's count: fp32 weights and AdamW's two moments.
+    params = memory_plan.Architecture.of(AutoConfig.from_pretrained(demo_assets / "model")).params
+    expected = ckpt.human_size(memory_plan.checkpoint_bytes(params))
+    assert warnings == [f"warning: checkpoint step_00000001 needs about {expected}, and the filesystem of {out} has "
+                        f"1.0 MiB free: the save is likely to fail. Keep fewer checkpoints (keep_last 3), save less "
+                        f"often (save_every 1), or put output_dir on another disk"]
+
+
+def test_a_dcp_write_on_a_full_disk_is_named_in_one_line():
+    """DCP reports a write that hit a full disk as a position mismatch raised while handling the
+    OSError, wrapped per rank in a CheckpointException whose text holds whole tracebacks."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def dcp_save() -> None:
+        try:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        except RuntimeError as error:
+            failure = error
+        # Raised afterwards, as DCP's coordinator does: nothing but its failures leads to the OSError.
+        raise CheckpointException("ranks:dict_keys([0])", {0: (failure, traceback.extract_tb(failure.__traceback__))})
+
+    writer = ckpt.BackgroundWriter()
+    writer.start("save-3", dcp_save)
+    with pytest.raises(ckpt.CheckpointError) as failure:
+        writer.wait()
+    assert str(failure.value) == "writing a checkpoint failed: OSError: [Errno 28] No space left on device"
+    assert ckpt.disk_full(failure.value)
+    assert not ckpt.disk_full(ckpt.CheckpointError("writing a checkpoint failed: PermissionError"))

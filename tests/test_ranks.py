@@ -1,4 +1,5 @@
 """The multi-rank layout through real torchrun processes on CPU/gloo, plus its pure pieces."""
+import contextlib
 import csv
 import os
 import signal
@@ -16,6 +17,9 @@ from metrics import TIMING_COLUMNS
 from tests.test_rollout import fake_batch
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(ROOT / "bench"))
+import fault_matrix  # noqa: E402
 
 
 def free_port() -> int:
@@ -31,10 +35,11 @@ def run_args(demo_assets: Path, out: Path, steps: int, *extra: str) -> list[str]
             "--save_every", str(steps), "--log_every", "1", "--dist_timeout_s", "60", *extra]
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = 240, **popen) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def torchrun(nproc: int, args: list[str], timeout: int = 240, fault: str = "") -> subprocess.CompletedProcess:
+    """The job under torchrun, one thread a rank; ``fault``: DAPO_FAULT (faults.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DAPO_FAULT": fault}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def metrics_rows(out: Path) -> list[dict[str, str]]:
@@ -104,44 +109,20 @@ def test_eight_ranks_resume_exactly_and_repeat_exactly(demo_assets, eight_rank_r
     assert any(not torch.equal(p, q) for p, q in zip(trained.parameters(), base.parameters()))
 
 
-def test_a_crashed_rank_restarts_the_job_from_its_checkpoint(demo_assets, eight_rank_reference, tmp_path):
-    """torchrun --max-restarts 2, a rollout rank SIGKILLed during step 3: the job restarts by
-    itself, resumes from the newest checkpoint and ends exactly like the uninterrupted run."""
+@pytest.mark.parametrize("role, column", [("rollout", "update"), ("lead learner", "save"),
+                                          ("other learner", "sample transfer")])
+def test_a_rank_killed_in_a_phase_restarts_the_job_which_ends_like_an_uninterrupted_one(
+        demo_assets, eight_rank_reference, tmp_path, role, column):
+    """Three cells of bench/fault_matrix.py, one per role: under torchrun --max-restarts 1 the
+    rank is SIGKILLed as the phase of step 3 begins (a rollout rank by the lead learner, as it
+    starts the update); the job restarts by itself from its newest checkpoint and ends with the
+    uninterrupted run's metrics rows and weights."""
     reference, _ = eight_rank_reference
     out = tmp_path / "restarted"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", "--max-restarts=2",
-           "--monitor_interval=1",
-           *run_args(demo_assets, out, 6, "--save_every", "1", "--val_every", "3", "--dist_timeout_s", "30")]
-    stderr = (tmp_path / "stderr.txt").open("w")
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                           start_new_session=True)
-    try:
-        pids, lines = {}, []
-        for line in job.stdout:
-            lines.append(line)
-            if " role=" in line and " pid=" in line:
-                pids[line.split()[1]] = int(line.split(" pid=")[1].split()[0])
-            if line.startswith("step     2 |"):  # row 2 is written during step 3 (after its weights go out)
-                # Checkpoint 2 is written beside step 3; the kill waits for it, so the restart
-                # always resumes from step 2 rather than from whichever save a race left complete.
-                deadline = time.time() + 60
-                while not (out / "checkpoints" / "step_00000002" / "COMPLETE").exists() and time.time() < deadline:
-                    time.sleep(0.01)
-                os.kill(pids["2/8"], signal.SIGKILL)
-                break
-        else:
-            pytest.fail("the job ended before step 2: " + "".join(lines[-20:]))
-        rest, _ = job.communicate(timeout=300)
-        log = "".join(lines) + rest
-        assert job.returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
-        assert log.count("role=rollout") == 12  # every rank started twice
-        assert "resuming from" in log and "step_00000002" in log.split("resuming from")[1].splitlines()[0]
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert metrics_rows(out) == metrics_rows(reference)
-    assert weights_at(out, 6) == weights_at(reference, 6)
+    failure, _ = fault_matrix.run_cell(run_args(demo_assets, out, 6, "--save_every", "1", "--keep_last", "10",
+                                                "--val_every", "3"), role, column, 3)
+    assert failure is None, failure
+    assert fault_matrix.differences(out, reference, 6) == []
 
 
 def test_synchronous_mode_has_no_staleness(demo_assets, tmp_path):
@@ -180,6 +161,64 @@ def test_a_killed_rank_ends_the_job_naming_the_phase(demo_assets, tmp_path):
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+
+
+def test_a_phase_longer_than_dist_timeout_is_waited_for(demo_assets, tmp_path):
+    """Rank 0 generates step 2 for 12 s, dist_timeout_s is 4: its heartbeat goes on, so the lead
+    waits for its samples however long, and the run ends normally."""
+    out = tmp_path / "slow"
+    proc = torchrun(2, run_args(demo_assets, out, 3, "--learner_ranks", "1", "--dist_timeout_s", "4"),
+                    fault="0:generation:2:sleep=12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with (out / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
+    assert float(rows[2]["step_time_s"]) > 12  # the slow generation was step 2's
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP): state T in /proc/PID/stat."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("fault, named", [
+    ("1:update:2:stop", "rank 1 (lead learner, last heard in "),  # the rollout rank waits for its weights
+    ("0:generation:2:stop", "rank 0, which holds the job's store, is dead or stuck"),  # its store freezes too
+])
+def test_a_stuck_rank_is_given_up_after_dist_timeout_naming_it(demo_assets, tmp_path, fault, named):
+    """A rank that stops (SIGSTOP: its heartbeat stops too) while the other waits for it: the
+    waiting rank ends the run with one line naming its phase and the stuck rank, after
+    dist_timeout_s (4 s) of silence and not before."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DAPO_FAULT": fault}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor_interval=1",
+           *run_args(demo_assets, tmp_path / "stuck", 6, "--learner_ranks", "1", "--dist_timeout_s", "4")]
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err:
+        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True,
+                               start_new_session=True)
+    pids = {}
+    try:
+        for line in job.stdout:
+            if " pid=" in line:
+                pids[int(line.split("/")[0].split()[1])] = int(line.split(" pid=")[1].split()[0])
+            if len(pids) == 2:
+                break
+        stuck = pids[int(fault.split(":")[0])]
+        deadline = time.time() + 120
+        while not stopped(stuck) and time.time() < deadline:
+            time.sleep(0.02)
+        stuck_at = time.time()
+        while "error:" not in stderr.read_text() and time.time() < deadline:
+            time.sleep(0.02)
+        given_up_after = time.time() - stuck_at
+        errors = [line for line in stderr.read_text().splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and named in errors[0] and "failed: " in errors[0], stderr.read_text()[-3000:]
+        assert 4 - 0.5 < given_up_after < 4 + 4, given_up_after
+    finally:
+        for pid in pids.values():  # torchrun would wait 30 s for the stopped rank to end
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.wait(timeout=60)
 
 
 def test_two_nodes_on_one_machine_run_as_one_job(demo_assets, tmp_path):

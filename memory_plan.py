@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from config import Config, Derived
+from config import Config, Derived, UserError
 
 GIB = 2**30
 
@@ -213,7 +213,6 @@ def check(cfg: Config, derived: Derived, device_memory: Optional[int], *, with_r
     not fit the device memory, which is known from ``device_memory_gb`` or the device itself."""
     from transformers import AutoConfig
 
-    from config import UserError
 
     memory = int(cfg.run.device_memory_gb * GIB) if cfg.run.device_memory_gb else device_memory
     if not plan_only and memory is None:

@@ -409,15 +409,16 @@ class DynamicSampler:
             return collected
         cfg, target = self.cfg, self.cfg.prompts_per_step
         carried, generated = self.pool.num_groups, []
-        malformed, gen_time, gen_batches = 0, 0.0, 0
+        malformed, gen_time, gen_batches, informative = 0, 0.0, 0, 0
         while True:
             gen_batches += 1
             pieces, bad, seconds = next_generation(gen_batches)
             malformed, gen_time = malformed + bad, gen_time + seconds
             for batch in pieces:
                 generated.append(batch)
-                self.pool.add(batch.select_groups(keep_informative(batch, self.metric))
-                              if cfg.dynamic_sampling else batch)
+                groups = keep_informative(batch, self.metric)
+                informative += len(groups)
+                self.pool.add(batch.select_groups(groups) if cfg.dynamic_sampling else batch)
             full = self.pool.num_groups >= target
             if not full and cfg.max_gen_batches and gen_batches >= cfg.max_gen_batches:
                 raise UserError(
@@ -427,14 +428,14 @@ class DynamicSampler:
             answer(full)
             if full:
                 break
-        stats = self.generation_stats(generated, malformed=malformed, gen_time=gen_time)
+        stats = self.generation_stats(generated, informative=informative, malformed=malformed, gen_time=gen_time)
         stats.update(num_gen_batches=gen_batches, carried_groups=carried)
         return self.pool.take(target), stats
 
-    def generation_stats(self, generated: list[SampleBatch], *, malformed: int, gen_time: float) -> dict[str, Any]:
-        """What was sampled, before the dynamic-sampling filter."""
+    def generation_stats(self, generated: list[SampleBatch], *, informative: int, malformed: int,
+                         gen_time: float) -> dict[str, Any]:
+        """What was sampled (``informative`` of its groups), before the dynamic-sampling filter."""
         everything = SampleBatch.concat(generated)
-        informative = sum(len(keep_informative(b, self.metric)) for b in generated)
         return {
             "informative_frac": informative / everything.num_groups,
             "reward_malformed": malformed,

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+import hf_weights
 import memory_plan
 from config import UserError
 from metrics import warn
@@ -36,6 +38,9 @@ from ranks import gather_json, phase
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 COMPLETE = "COMPLETE"
+LEARNER_STATE = "learner_state"  # every learner's shard of the weights and optimizer state (DCP)
+HF_CONFIG = "hf_config"  # the model's config and tokenizer: a Hugging Face folder but the weights
+HF_MODEL = "model"  # the Hugging Face export, when the step has one
 
 
 class CheckpointError(ValueError):
@@ -294,35 +299,87 @@ def copy_tensors_to_host(state: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("cpu", copy=True), state)
 
 
-class OptimizerSaver:
-    """Each learner's shard of the optimizer state through DCP: copied to host memory when the
-    checkpoint is taken (:meth:`stage`), written later (:meth:`write`, on a writer thread)."""
+def stage_learner_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This learner's shard of the weights and of the optimizer state, copied to host memory when
+    the checkpoint is taken; written later (:func:`write_learner_state`, on a writer thread)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    def stage(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return {"optimizer": copy_tensors_to_host(get_optimizer_state_dict(model, optimizer))}
-
-    @staticmethod
-    def write(folder: Path, staged: dict[str, Any], group: Optional[Any]) -> None:
-        """A collective over ``group`` (every learner's writer thread joins it): a group that
-        training never uses, since it runs beside training's own collectives."""
-        import torch.distributed.checkpoint as dcp
-
-        with _one_process_is_fine():
-            dcp.save(staged, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
+    return copy_tensors_to_host({"model": {name: p.detach() for name, p in model.named_parameters()},
+                                 "optimizer": get_optimizer_state_dict(model, optimizer)})
 
 
-def load_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   group: Optional[Any]) -> None:
+def write_learner_state(folder: Path, staged: dict[str, Any], group: Optional[Any]) -> None:
+    """Every learner writes its own shards (DCP): a collective over ``group``, a group that
+    training never uses, since every learner's writer thread runs it beside training."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    # The template's shapes and shardings tell DCP what this rank reads (its own shard).
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    with _one_process_is_fine():
+        dcp.save(staged, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
+
+
+def _load(folder: Path, state: dict[str, Any], group: Optional[Any]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    # The template's shapes and shardings tell DCP what this rank reads (its own shard); keys of
+    # the checkpoint that the template lacks are not read.
     with _one_process_is_fine():
         dcp.load(state, checkpoint_id=str(folder), process_group=group, no_dist=group is None)
+
+
+def load_learner_weights(folder: Path, model: torch.nn.Module, group: Optional[Any]) -> None:
+    _load(folder, {"model": {name: p.detach() for name, p in model.named_parameters()}}, group)
+
+
+def load_learner_optimizer(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           group: Optional[Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    _load(folder, state, group)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def weight_shapes(folder: Path) -> dict[str, torch.Size]:
+    """The full shape of every weight in a learner-state folder, by in-memory name, in saved order."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    found = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {key.removeprefix("model."): torch.Size(meta.size) for key, meta in found.items()
+            if key.startswith("model.")}
+
+
+def read_full_weights(folder: Path, names: list[str], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Whole fp32 tensors of the weights ``names``, assembled from every learner's shards: one
+    process reads them, with no process group, a bucket at a time."""
+    state = {"model": {name: torch.empty(shapes[name], dtype=torch.float32) for name in names}}
+    _load(folder, state, None)
+    return state["model"]
+
+
+def iter_full_weights(folder: Path, names: list[str], bucket_bytes: int) -> Iterator[torch.Tensor]:
+    """The weights ``names`` whole, in that order, read ``bucket_bytes`` at a time."""
+    saved = weight_shapes(folder)
+    shapes = {name: saved[name] for name in names}
+    for bucket in hf_weights.plan_files(shapes, 4, bucket_bytes):
+        tensors = read_full_weights(folder, bucket, shapes)
+        yield from (tensors.pop(name) for name in bucket)
+
+
+def export_model(step_folder: Path, out_dir: Path, *, part: int = 0, parts: int = 1,
+                 max_file_bytes: int = hf_weights.MAX_FILE_BYTES) -> None:
+    """Hugging Face weights (what from_pretrained opens) from a step folder's learner shards, one
+    file at a time, in the dtype of the model's files; writer ``part`` of ``parts`` writes every
+    ``parts``-th file, and part 0 the index, config and tokenizer."""
+    from transformers import AutoConfig
+
+    shards, config_dir = step_folder / LEARNER_STATE, step_folder / HF_CONFIG
+    shapes = weight_shapes(shards)
+    dtype = hf_weights.stored_dtype(AutoConfig.from_pretrained(config_dir, local_files_only=True))
+    hf_weights.write_weight_files(out_dir, shapes, dtype, lambda names: read_full_weights(shards, names, shapes),
+                                  part=part, parts=parts, max_file_bytes=max_file_bytes)
+    if part == 0:
+        for path in sorted(config_dir.iterdir()):
+            shutil.copyfile(path, out_dir / path.name)
 
 
 # ----- fingerprints: what a checkpoint must share with the run that resumes it -------------------
@@ -403,13 +460,14 @@ class Checkpointer:
         with phase("checkpoint"):
             gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync, self.plat.device)
 
-    def save_learner_shard(self, version: int) -> None:
-        """A learner other than the lead: its optimizer shard, written beside training."""
-        self.learner.save_shard_in_background(tmp_dir(self.root, version), self.rank_state())
+    def save_learner_shard(self, version: int, export: bool) -> None:
+        """A learner other than the lead: its shards (and with ``export`` its share of the Hugging
+        Face files), written beside training."""
+        self.learner.save_shard_in_background(tmp_dir(self.root, version), self.rank_state(), export)
 
-    def save(self, version: int, collected: Optional[tuple[Any, dict[str, Any]]]) -> float:
+    def save(self, version: int, collected: Optional[tuple[Any, dict[str, Any]]], export: bool) -> float:
         """The lead: take checkpoint ``version`` (``collected``: the next step's batch and row when
-        rollout ran ahead); returns the seconds the run waited."""
+        rollout ran ahead; ``export``: with Hugging Face weights); returns the seconds the run waited."""
         start = time.perf_counter()
         states = []
         if self.layout.world_size > 1:
@@ -424,17 +482,17 @@ class Checkpointer:
                  "kl_coef": learner.kl_coef_at(version), "lr": learner.lr_at(version),
                  "group_size": self.cfg.rollout.sample_num, **self.report.state(), "fingerprint": self.fingerprint,
                  "config": self.cfg.flat()}
-        # Serialised now: the trainer goes on changing its state while the writer runs. The model
-        # holds tensors that the next update replaces rather than modifies.
+        # Serialised now: the trainer goes on changing its state while the writer runs.
         texts = {"rank_states.json": json_text({str(s["rank"]): s for s in states + learner_states}),
                  "trainer_state.json": json_text(state),
                  "metrics.csv": (self.out_dir / "metrics.csv").read_text()}
-        model, buffers = self.learner.export_model(), self.sampler.buffers(collected)
+        buffers = self.sampler.buffers(collected)
 
         def contents(folder: Path) -> None:
-            self.learner.write_optimizer_shard(folder, staged)
-            model.save_pretrained(folder / "model", safe_serialization=True)
-            self.tokenizer.save_pretrained(folder / "model")
+            # The config and tokenizer first: every learner's export reads the dtype from them.
+            learner.policy.config.save_pretrained(folder / HF_CONFIG)
+            self.tokenizer.save_pretrained(folder / HF_CONFIG)
+            learner.write_checkpoint_part(folder, staged, export)
             write_tensors(folder / "sample_buffer.safetensors", buffers)
             for name, text in texts.items():
                 (folder / name).write_text(text)
@@ -460,11 +518,14 @@ class Checkpointer:
                  f"or put output_dir on another disk")
 
     def restore(self, folder: Path, saved: dict[str, Any]) -> None:
-        """Everything but the weights (loaded with the models): optimizer, counters, sample buffer,
-        data position, metrics so far, and last this rank's random generators."""
+        """Everything but the learners' weights (loaded with their models): a rollout rank's weights,
+        optimizer, counters, sample buffer, data position, metrics so far, and last this rank's
+        random generators."""
         if self.learner is not None:
             self.learner.restore(folder, saved)
         mine = read_json(folder / "rank_states.json")[str(self.layout.rank)]
+        if self.rollout is not None and self.learner is None:  # a one-process run's rollout copies the learner
+            self.rollout.load_checkpoint_weights(folder / LEARNER_STATE, saved["weight_version"])
         if self.rollout is not None:
             self.rollout.weight_version = saved["weight_version"]
             self.rollout.prompts.seek(**mine["prompt_stream"])
@@ -477,7 +538,8 @@ class Checkpointer:
 
 # Settings that may change between a checkpoint and its resume without changing the results.
 RESUMABLE_CHANGES = ("max_steps", "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "log_every",
-                     "device_memory_gb", "log_completions", "report_to", "save_every", "keep_last", "dist_timeout_s")
+                     "device_memory_gb", "log_completions", "report_to", "save_every", "keep_last", "dist_timeout_s",
+                     "hf_export_every", "hf_export_file_mb")
 
 
 def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str, Any],
@@ -535,3 +597,36 @@ def find_resume_checkpoint(output_dir: Path, requested: Optional[str], *, restar
         log(f"no complete checkpoint in {root}: starting fresh")
     return None
 
+
+def export_command(argv: list[str]) -> int:
+    """``python ckpt.py export STEP_DIR OUT_DIR``: a step folder's weights in Hugging Face format."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python ckpt.py", description="Checkpoint tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="write a step folder's weights as a Hugging Face model folder")
+    export.add_argument("step_dir", type=Path, help="OUTPUT_DIR/checkpoints/step_<N>")
+    export.add_argument("out_dir", type=Path, help="a new folder (refused if it exists and is not empty)")
+    export.add_argument("--max_file_mb", type=int, default=hf_weights.MAX_FILE_BYTES // 2**20)
+    args = parser.parse_args(argv)
+    try:
+        check_step(args.step_dir)
+        if args.out_dir.exists() and any(args.out_dir.iterdir()):
+            raise CheckpointError(f"{args.out_dir} exists and is not empty: give a new folder")
+        if not (args.step_dir / LEARNER_STATE).is_dir():
+            raise CheckpointError(f"{args.step_dir} holds no learner shards ({LEARNER_STATE}/): written by an "
+                                  f"older version, its model/ folder is the export")
+        # Written beside the target, moved into place when complete: a failure leaves no half model.
+        partial = args.out_dir.with_name(f".{args.out_dir.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        export_model(args.step_dir, partial, max_file_bytes=args.max_file_mb * 2**20)
+        os.replace(partial, args.out_dir)
+    except CheckpointError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    print(f"wrote {args.out_dir}: AutoModelForCausalLM.from_pretrained opens it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(export_command(sys.argv[1:]))

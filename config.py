@@ -36,6 +36,7 @@ class ModelConfig:
     rollout_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
     learner_dtype: Literal["fp32", "bf16"] = "bf16"
     gradient_checkpointing: bool = False
+    learner_offload: bool = False  # FSDP2 keeps parameters, gradients and AdamW state in host memory
     eos_token_ids: list[int] = field(default_factory=list)  # stop ids on top of the tokenizer's EOS
 
 
@@ -112,6 +113,8 @@ class RunConfig:
     val_every: int = 10
     save_every: int = 1
     keep_last: int = 3
+    hf_export_every: int = 0  # Hugging Face weights in checkpoints of steps divisible by it; 0 = the last step only
+    hf_export_file_mb: int = 5120  # the largest weight file of an export (one larger tensor fills a file alone)
     resume_from_checkpoint: Optional[str] = None  # "auto" or a step folder
     learner_ranks: int = 2
     max_staleness: int = 1
@@ -331,6 +334,8 @@ def validate(cfg: Config) -> None:
         (cfg.run.max_staleness in (0, 1), "max_staleness must be 0 or 1"),
         (cfg.run.save_every >= 0, "save_every must be >= 0 (0 = never)"),
         (cfg.run.keep_last >= 1, "keep_last must be >= 1"),
+        (cfg.run.hf_export_every >= 0, "hf_export_every must be >= 0 (0 = the last step only)"),
+        (cfg.run.hf_export_file_mb >= 1, "hf_export_file_mb must be >= 1"),
         (cfg.run.log_every >= 1 and cfg.run.val_every >= 0, "log_every must be >= 1 and val_every >= 0"),
         (cfg.run.log_completions >= 0, "log_completions must be >= 0 (0 = off)"),
         (set(cfg.run.report_to) <= {"csv", "tensorboard"},
@@ -380,6 +385,8 @@ class Derived:
         # At least one rank must roll out: 2 ranks with learner_ranks 2 run as 1 + 1.
         learners = min(cfg.run.learner_ranks, world_size - 1) if world_size > 1 else 1
         sequences = cfg.rollout.prompts_per_step * cfg.rollout.sample_num
+        if cfg.model.learner_offload and world_size == 1:
+            raise ConfigError("learner_offload needs a torchrun job: FSDP2 offloads over the learner ranks' process group")
         per_rank_mb = cfg.optim.per_device_batch_size * cfg.optim.gradient_accumulation_steps
         if sequences % (per_rank_mb * learners):
             raise ConfigError(
@@ -419,6 +426,11 @@ class Schedule:
         every = self.run.save_every
         return version > self.resumed_from and bool(every) and (version % every == 0 or
                                                                  version == self.run.max_steps)
+
+    def exports(self, version: int) -> bool:
+        """Whether checkpoint ``version`` holds the weights in Hugging Face format too (model/)."""
+        every = self.run.hf_export_every
+        return self.saves(version) and (version == self.run.max_steps or bool(every) and version % every == 0)
 
     def collects_past_the_end(self) -> bool:
         """With rollout ahead, the final checkpoint holds the next step's batch like every other

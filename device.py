@@ -62,6 +62,15 @@ class Platform:
             return None
         return self.module.get_device_properties(self.local_rank).total_memory
 
+    def peak_memory(self) -> dict[str, Optional[int]]:
+        """The most this process has held so far, in bytes: host (resident set) and device
+        (allocated by torch; None on CPU)."""
+        import resource
+
+        host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        device = self.module.max_memory_allocated(self.local_rank) if self.module is not None else None
+        return {"host_peak": host, "device_peak": device}
+
     def synchronize(self) -> None:
         if self.module is not None:
             self.module.synchronize()

@@ -13,27 +13,93 @@ import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 import ckpt
 import dapo_loss
 from config import Config, Derived
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import convert_to_fp8
-from metrics import warn
-from ranks import Groups, Layout, all_reduce_max, all_reduce_sum, all_reduce_tensor, gather_json, phase
+from hf_weights import WeightFiles
+from metrics import log, warn
+from ranks import (Groups, Layout, all_reduce_max, all_reduce_sum, all_reduce_tensor, gather_json, phase,
+                   wait_for_group)
 from samples import SampleBatch
 
 # Summed over micro-batches and learners, then averaged over optimizer steps (metrics.csv).
 LOSS_METRICS = ("policy_loss", "kl", "entropy", "length_penalty", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+def shard_model(model: torch.nn.Module, mesh: Any, *, learner_dtype: str, offload: bool) -> None:
+    """FSDP2 over ``mesh``: parameters, gradients and optimizer state split (ZeRO-3), each decoder
+    layer gathered only while it computes.
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    With learner_dtype bf16, FSDP2 gathers each layer's fp32 master weights as bf16 and reduces
+    gradients in fp32: bf16 compute that reaches every matmul, fused MoE experts included, which
+    autocast does not (PLATFORM.md: grouped_mm experts stay fp32 under it). With ``offload`` the
+    shards, their gradients and AdamW's state live in host memory and each layer is copied to
+    the device for its forward and backward (CPUOffloadPolicy).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if learner_dtype == "bf16" else MixedPrecisionPolicy()
+    # Pinned host memory makes the copies to the device asynchronous; a CPU mesh has no device.
+    placement = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload else OffloadPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=placement)
+    fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=placement)
+
+
+def build_model(path: Path, device: torch.device, mesh: Any = None, *, learner_dtype: str = "fp32",
+                offload: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The architecture of ``path`` in ``dtype``, built on the meta device, sharded over ``mesh`` when
+    given, then given storage for this rank's shards only: its weights are not filled in yet
+    (:func:`fill_from_files`, or a checkpoint's learner state)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if mesh is not None:
+        shard_model(model, mesh, learner_dtype=learner_dtype, offload=offload)
+    model.to_empty(device="cpu" if offload else device)
+    if mesh is None:
+        model.tie_weights()  # to_empty gives each module a parameter of its own; FSDP2 keeps them shared
+    with torch.no_grad():
+        for module in model.modules():  # buffers (rotary frequencies) are computed, not stored
+            if next(module.buffers(recurse=False), None) is not None:
+                model._init_weights(module)
+    return model
+
+
+def shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's piece of ``param``, the index of its first row in the whole parameter):
+    FSDP2 cuts dim 0 as torch.chunk does."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param, 0
+    rows, mesh = param.shape[0], param.device_mesh
+    chunk = math.ceil(rows / mesh.size())
+    start = min(mesh.get_local_rank() * chunk, rows)
+    local = param.to_local()
+    assert local.shape[0] == min(chunk, rows - start), \
+        f"FSDP2 gave this rank {local.shape[0]} rows of {rows}, not torch.chunk's {min(chunk, rows - start)}"
+    return local, start
+
+
+@torch.no_grad()
+def fill_from_files(model: torch.nn.Module, path: Path) -> None:
+    """Each parameter's rows that this rank holds, read from the Hugging Face files of ``path``
+    (nothing else is read)."""
+    files = WeightFiles(path)
+    for name, param in model.named_parameters():
+        local, start = shard_rows(param)
+        local.copy_(files.rows(name, param.shape, start, start + local.shape[0]))
 
 
 def uses_reference_model(cfg: Config) -> bool:
@@ -58,49 +124,57 @@ class Learner:
     """One learner rank (or the learner half of a one-process run)."""
 
     def __init__(self, cfg: Config, plat: Platform, derived: Derived, layout: Layout, groups: Optional[Groups],
-                 weights_path: Path, base_path: Path) -> None:
+                 resume: Optional[Path]) -> None:
         self.cfg, self.plat, self.derived, self.layout, self.groups = cfg, plat, derived, layout, groups
         torch.manual_seed(cfg.run.seed)
-        self.policy = load_model(weights_path, torch.float32, plat.device)
+        # Sharded over the learners (also one learner of a torchrun job that offloads): FSDP2.
+        self.sharded = groups is not None and (layout.num_learners > 1 or cfg.model.learner_offload)
+        self.policy = self._build(resume)
         self.policy.config.use_cache = False
         if cfg.model.gradient_checkpointing:
             # transformers renamed the switch; take whichever this version has.
             enable = getattr(self.policy, "activation_checkpointing_enable", None) or \
                 self.policy.gradient_checkpointing_enable
             enable()
-        # The policy continues from the checkpoint's weights; the KL reference stays the base model.
+        # The policy continues from the checkpoint's weights; the KL reference stays the base model,
+        # frozen, so it needs no fp32 master copy: FSDP2 computes in bf16 from either alike.
         self.ref_model = None
         if uses_reference_model(cfg):
-            self.ref_model = load_model(base_path, torch.float32, plat.device).eval().requires_grad_(False)
-        self.sharded = False
-        if layout.num_learners > 1:
-            self._shard_models()
+            ref_dtype = torch.bfloat16 if self.sharded and cfg.model.learner_dtype == "bf16" else torch.float32
+            self.ref_model = self._build(None, ref_dtype).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate,
                                            betas=(0.9, 0.999), weight_decay=cfg.optim.weight_decay)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.writer = ckpt.BackgroundWriter()
-        self.optimizer_saver = ckpt.OptimizerSaver()
-        self.full_weights: list[torch.Tensor] = []  # the lead's host copy of the latest weights
+        if layout.is_lead:
+            log(self.describe())
 
-    def _shard_models(self) -> None:
-        """FSDP2 over the learner group: parameters, gradients and optimizer state split (ZeRO-3).
+    def describe(self) -> str:
+        where = "in host memory (learner_offload)" if self.cfg.model.learner_offload else "on the device"
+        how = f"FSDP2 over {self.layout.num_learners} learner rank(s)" if self.sharded else "unsharded"
+        return f"learner: {how}; fp32 weights, gradients and AdamW state {where}; computes in {self.cfg.model.learner_dtype}"
 
-        With learner_dtype bf16, FSDP2 gathers each layer's fp32 master weights as bf16 and
-        reduces gradients in fp32: bf16 compute that reaches every matmul, fused MoE experts
-        included, which autocast does not (PLATFORM.md: grouped_mm experts stay fp32 under it).
-        """
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    def _build(self, resume: Optional[Path], dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        """The policy (or the reference model) with this learner's shards of the base model's
+        weights, or of checkpoint ``resume``'s."""
+        mesh = None
+        if self.sharded:
+            from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = DeviceMesh.from_group(self.groups.learners, self.plat.device.type)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.cfg.model.learner_dtype == "bf16" else MixedPrecisionPolicy()
-        for model in filter(None, (self.policy, self.ref_model)):
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
-        self.sharded = True
+            mesh = DeviceMesh.from_group(self.groups.learners, self.plat.device.type)
+        model = build_model(Path(self.cfg.model.model_path), self.plat.device, mesh,
+                            learner_dtype=self.cfg.model.learner_dtype, offload=self.cfg.model.learner_offload,
+                            dtype=dtype)
+        with phase("checkpoint load"):
+            if resume is None:
+                fill_from_files(model, Path(self.cfg.model.model_path))
+            else:
+                ckpt.load_learner_weights(resume / ckpt.LEARNER_STATE, model, self.learner_group())
+        return model
+
+    def learner_group(self) -> Any:
+        return self.groups.learners if self.groups is not None else None
 
     def rollout_copy(self, rollout_dtype: str) -> torch.nn.Module:
         """An unsharded copy of the policy for a one-process run's rollout side."""
@@ -297,29 +371,30 @@ class Learner:
 
     # ----- weights out --------------------------------------------------------------------------
 
-    def gather_full_weights(self) -> None:
-        """Every learner joins the all-gather of each shard; the lead keeps the full tensors."""
+    def full_weights(self) -> Iterator[torch.Tensor]:
+        """Every parameter whole, one at a time, in the model's order: each is an all-gather over
+        the learners, so every learner walks the whole sequence at the same point of its run,
+        the lead to send the weights, the others to take part (:meth:`join_weight_sync`)."""
         from torch.distributed.tensor import DTensor
 
+        if self.sharded:
+            with phase("weight sync"):
+                wait_for_group(self.groups.learners)  # the lead may come late: it collects samples first
+        for param in self.policy.parameters():
+            if not isinstance(param, DTensor):
+                yield param.detach()
+            elif param.to_local().device == self.plat.device:
+                yield param.detach().full_tensor()
+            else:  # an offloaded shard: the collective runs on the device
+                local = param.detach().to_local().to(self.plat.device)
+                yield DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                         stride=param.stride()).full_tensor()
+
+    def join_weight_sync(self) -> None:
+        """A learner other than the lead: its part in gathering the weights the lead sends."""
         with phase("weight sync"):
-            full = [p.full_tensor() if isinstance(p, DTensor) else p for p in self.policy.parameters()]
-        if self.layout.is_lead:
-            self.full_weights = [t.detach().to("cpu", copy=True) for t in full]
-
-    def export_model(self) -> torch.nn.Module:
-        """An unsharded model holding the lead's latest weights, ready for save_pretrained."""
-        from transformers import AutoModelForCausalLM
-
-        # The gathered full tensors in a plain model, without copying them: the next update
-        # replaces self.full_weights and never changes these, so a background writer can save them.
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.policy.config)
-        names = [name for name, _ in model.named_parameters()]
-        model.load_state_dict(dict(zip(names, self.full_weights)), strict=False, assign=True)
-        model.tie_weights()
-        # transformers writes files only on global rank 0; the lead learner is a later rank.
-        model.should_save_on_this_rank = lambda is_main_process: is_main_process
-        return model
+            for _ in self.full_weights():
+                pass
 
     # ----- the learner's part of a checkpoint ---------------------------------------------------
 
@@ -327,26 +402,33 @@ class Learner:
         return {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps}
 
     def stage_checkpoint(self, rank_state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Every learner: a host copy of its optimizer shard, and the learners' rank states (on the lead)."""
+        """Every learner: a host copy of its weight and optimizer shards, and the learners' rank
+        states (on the lead)."""
         self.writer.wait()  # the previous checkpoint's files are complete, and the host buffers free
-        staged = self.optimizer_saver.stage(self.policy, self.optimizer)
+        staged = ckpt.stage_learner_state(self.policy, self.optimizer)
         if self.layout.num_learners == 1:
             return staged, [rank_state]
         with phase("checkpoint"):
             states = gather_json(rank_state, self.layout.lead_learner, self.groups.learners, self.plat.device)
         return staged, states
 
-    def write_optimizer_shard(self, folder: Path, staged: dict[str, Any]) -> None:
+    def write_checkpoint_part(self, folder: Path, staged: dict[str, Any], export: bool) -> None:
+        """On a writer thread: this learner's shards; with ``export``, its share of the Hugging Face
+        files too, written from the shards on disk (so no rank gathers the model)."""
         group = self.groups.checkpoint if self.groups is not None else None
-        ckpt.OptimizerSaver.write(folder / "optimizer", staged, group)
+        ckpt.write_learner_state(folder / ckpt.LEARNER_STATE, staged, group)
+        if export:
+            ckpt.export_model(folder, folder / ckpt.HF_MODEL, part=self.layout.learner_index,
+                              parts=self.layout.num_learners, max_file_bytes=self.cfg.run.hf_export_file_mb * 2**20)
+            if group is not None:
+                dist.barrier(group=group)  # the lead marks the folder complete once every file is in
 
-    def save_shard_in_background(self, step_folder: Path, rank_state: dict[str, Any]) -> None:
+    def save_shard_in_background(self, step_folder: Path, rank_state: dict[str, Any], export: bool) -> None:
         """A learner other than the lead: its part of a checkpoint, written beside training."""
         staged, _ = self.stage_checkpoint(rank_state)
-        self.writer.start(f"save-{step_folder.name}", lambda: self.write_optimizer_shard(step_folder, staged))
+        self.writer.start(f"save-{step_folder.name}", lambda: self.write_checkpoint_part(step_folder, staged, export))
 
     def restore(self, folder: Path, saved: dict[str, Any]) -> None:
-        group = self.groups.learners if self.groups is not None else None
         with phase("checkpoint load"):
-            ckpt.load_optimizer(folder / "optimizer", self.policy, self.optimizer, group)
+            ckpt.load_learner_optimizer(folder / ckpt.LEARNER_STATE, self.policy, self.optimizer, self.learner_group())
         self.optimizer_steps, self.skipped_steps = saved["optimizer_steps"], saved["skipped_steps"]

@@ -7,8 +7,10 @@ Parameters and FP8 rollout weights are counted exactly, on an instance of the ar
 the meta device; the KV cache exactly from the layer shapes; activations are estimates, stated
 as such (what one layer saves per token, the logits of a micro-batch). What the learners hold
 follows the code as built: FSDP2 shards fp32 parameters, gradients and AdamW's two moments over
-the learner ranks; the KL reference model, when loaded, is sharded the same way in fp32; the
-lead keeps a full fp32 host copy of the weights for weight sync and checkpoints.
+the learner ranks, on the device or, with learner_offload, in host memory; the KL reference
+model, when loaded, is sharded the same way in fp32; when a checkpoint is taken every learner
+copies its shards to host memory, which a writer thread saves while training goes on. No rank
+holds the whole model in fp32: weight sync and the Hugging Face export go a piece at a time.
 """
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ from typing import Any, Optional
 
 import torch
 
+import hf_weights
 from config import Config, Derived, UserError
+from device import Platform
+from metrics import log
+from ranks import Layout, gather_json
 
 GIB = 2**30
 
@@ -94,7 +100,10 @@ def rollout_rank(cfg: Config, derived: Derived, arch: Architecture) -> dict[str,
 def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_reference: bool) -> dict[str, Any]:
     """One learner rank, on its device and on its host (the lead's host: the most loaded)."""
     shard = math.ceil(arch.params / derived.num_learner_ranks)
-    params = 4 * shard * (2 if with_reference else 1)  # fp32 master weights (+ the KL reference)
+    # fp32 master weights, and the KL reference: frozen, so bf16 where FSDP2 computes in bf16.
+    sharded = derived.num_learner_ranks > 1 or cfg.model.learner_offload
+    reference = (2 if sharded and cfg.model.learner_dtype == "bf16" else 4) * shard if with_reference else 0
+    params = 4 * shard + reference
     grads, optimizer = 4 * shard, 8 * shard  # fp32 gradients, AdamW's two fp32 moments
     compute = 2 if cfg.model.learner_dtype == "bf16" else 4
     tokens = cfg.optim.per_device_batch_size * (cfg.data.max_prompt_length + cfg.rollout.max_response_length)
@@ -104,11 +113,12 @@ def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_refe
     activations = (tokens * arch.saved_per_token_layer(compute) * saved_layers + layer_inputs
                    + 2 * response_tokens * arch.vocab * compute  # the logits and their gradient
                    + 2 * 4 * arch.largest_layer_params)  # FSDP2's gathered layer and the next, prefetched
-    device = {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations}
+    state = {"params": params, "grads": grads, "optimizer": optimizer}
+    offload = cfg.model.learner_offload
+    device = {**{k: 0 if offload else v for k, v in state.items()}, "activations": activations}
     device["total"] = sum(device.values())
-    # The lead's full fp32 copy of the weights (weight sync, checkpoint export) and each learner's
-    # host copy of its optimizer shard while a checkpoint is written.
-    host = {"params": 4 * arch.params, "grads": 0, "optimizer": optimizer if cfg.run.save_every else 0}
+    host = {k: v if offload else 0 for k, v in state.items()}
+    host["checkpoint_copy"] = 4 * shard + 8 * shard if cfg.run.save_every else 0  # weights + AdamW shards
     host["total"] = sum(host.values())
     return {"device": device, "host": host}
 
@@ -125,13 +135,16 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     rollout = rollout_rank(cfg, derived, arch)
     learner = learner_rank(cfg, derived, arch, with_reference=with_reference)
     ranks_per_node = derived.world_size  # one node: every rank shares the host
-    node_host = learner["host"]["total"] + (derived.num_learner_ranks - 1) * learner["host"]["optimizer"]
+    # A rollout rank reads the whole model into host memory once, at start-up, in the files' dtype.
+    rollout_host = arch.params * hf_weights.stored_dtype(model_config).itemsize
+    node_host = derived.num_learner_ranks * learner["host"]["total"] + derived.num_rollout_ranks * rollout_host
     checkpoint = {"per_step": checkpoint_bytes(arch.params),
-                  "per_learner_rank": 8 * math.ceil(arch.params / derived.num_learner_ranks)}
+                  "per_learner_rank": 12 * math.ceil(arch.params / derived.num_learner_ranks)}
     fits = None if device_memory is None else max(rollout["total"], learner["device"]["total"]) <= device_memory
     layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout + {derived.num_learner_ranks} "
               f"learner" if derived.world_size > 1 else "1 process (both roles)")
-    return {"model": {"params": arch.params}, "layout": layout, "rollout_rank": rollout, "learner_rank": learner,
+    return {"model": {"params": arch.params}, "layout": layout, "rollout_rank": rollout,
+            "rollout_rank_host_at_start": rollout_host, "learner_rank": learner,
             "node_host_total": node_host, "ranks_per_node": ranks_per_node, "checkpoint": checkpoint,
             "device_memory": device_memory, "fits": fits}
 
@@ -164,8 +177,8 @@ def advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
                          "max_response_length shrink the KV cache")
     if memory is not None and learner["total"] > memory:
         if learner["params"] + learner["grads"] + learner["optimizer"] > memory / 2:
-            notes.append("the learners need learner_offload (parameters, gradients and AdamW state in host "
-                         "memory; not in this build yet) or more learner ranks")
+            notes.append("the learners need learner_offload: true (parameters, gradients and AdamW state in "
+                         "host memory) or more learner ranks")
         if learner["activations"] > memory / 4:
             notes.append("gradient_checkpointing: true and a smaller per_device_batch_size shrink the activations")
     return notes
@@ -176,10 +189,11 @@ def table(plan: dict[str, Any], notes: list[str]) -> str:
     rollout, learner = plan["rollout_rank"], plan["learner_rank"]
     lines = [f"model: {plan['model']['params'] / 1e9:.2f}B parameters; {plan['layout']}",
              "rollout rank (device):"]
-    lines += [f"  {k:<12} {gib(v)}" for k, v in rollout.items()]
+    lines += [f"  {k:<16} {gib(v)}" for k, v in rollout.items()]
+    lines.append(f"rollout rank (host, at start-up): {gib(plan['rollout_rank_host_at_start']).strip()}")
     for where in ("device", "host"):
         lines.append(f"learner rank ({where}):")
-        lines += [f"  {k:<12} {gib(v)}" for k, v in learner[where].items()]
+        lines += [f"  {k:<16} {gib(v)}" for k, v in learner[where].items()]
     lines += [f"host memory per node: {gib(plan['node_host_total'])}",
               f"checkpoint: {gib(plan['checkpoint']['per_step'])} per step, "
               f"{gib(plan['checkpoint']['per_learner_rank'])} written by each learner rank"]
@@ -193,6 +207,25 @@ def table(plan: dict[str, Any], notes: list[str]) -> str:
 
 def write(plan: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(plan, indent=1) + "\n")
+
+
+def record_usage(layout: Layout, plat: Platform, out_dir: Path) -> None:
+    """At the end of a run: every rank's peak host and device memory, written by the lead to
+    OUTPUT_DIR/memory_used.json (what the run held, beside what memory_plan.json expected)."""
+    mine = {"rank": layout.rank, "role": layout.role + " (lead)" * layout.is_lead, **plat.peak_memory()}
+    everyone = gather_json(mine, layout.lead_learner, None, plat.device) if layout.world_size > 1 else [mine]
+    if not layout.is_lead:
+        return
+    (out_dir / "memory_used.json").write_text(json.dumps({"ranks": everyone}, indent=1) + "\n")
+    roles: dict[str, list[dict[str, Any]]] = {}
+    for entry in everyone:
+        roles.setdefault(entry["role"], []).append(entry)
+
+    def most(entries: list[dict[str, Any]], key: str) -> str:
+        values = [e[key] for e in entries if e[key] is not None]
+        return f"{max(values) / GIB:.2f}" if values else "-"
+    peaks = [f"{role} {most(entries, 'host_peak')}/{most(entries, 'device_peak')}" for role, entries in roles.items()]
+    log("peak memory per rank, host/device GiB: " + ", ".join(peaks) + " (memory_used.json)")
 
 
 def split_plan_request(argv: list[str]) -> tuple[list[str], Optional[int]]:

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,7 @@ def phase(name: str) -> Iterator[None]:
         _current_phase = outer
 
 
-def _everyone_here(group: Optional[dist.ProcessGroup]) -> None:
+def wait_for_group(group: Optional[dist.ProcessGroup]) -> None:
     """Wait, in the store, until every member of ``group`` (None: the world) has come to this
     exchange, however long a live member takes (liveness.py)."""
     if _liveness is not None:
@@ -170,7 +170,7 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
                    device: torch.device, group_size: int) -> Optional[tuple[list[SampleBatch], torch.Tensor]]:
     """Rollout ranks send their batch (or None) plus a few numbers; the lead receives, in rank order,
     every non-empty batch and a [num_rollout, len(header_values)] table of the numbers."""
-    _everyone_here(groups.sync)
+    wait_for_group(groups.sync)
     dst = layout.lead_learner
     rows = 0 if batch is None else batch.prompt_ids.shape[0]
     width_p = 0 if batch is None else batch.prompt_ids.shape[1]
@@ -228,7 +228,7 @@ def broadcast_flag(value: int, src: int, group: dist.ProcessGroup, device: torch
 def broadcast_samples(batch: Optional[SampleBatch], src: int, group: dist.ProcessGroup, device: torch.device,
                       group_size: int) -> SampleBatch:
     """The lead learner's step batch to every learner."""
-    _everyone_here(group)
+    wait_for_group(group)
     shape = torch.tensor([0, 0, 0] if batch is None else
                          [batch.prompt_ids.shape[0], batch.prompt_ids.shape[1], batch.response_ids.shape[1]],
                          dtype=torch.long, device=device)
@@ -245,7 +245,7 @@ def broadcast_samples(batch: Optional[SampleBatch], src: int, group: dist.Proces
 
 
 def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup, device: torch.device) -> list[float]:
-    _everyone_here(group)
+    wait_for_group(group)
     tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(tensor, group=group)
     return tensor.cpu().tolist()
@@ -295,17 +295,22 @@ class WeightBroadcast:
         self.buffer = torch.empty(max(sum(self.sizes[i] for i in bucket) for bucket in self.plan),
                                   dtype=torch.uint8, device=device)
 
-    def send(self, tensors: Sequence[torch.Tensor], version: int) -> None:
-        _everyone_here(self.group)
+    def send(self, tensors: Iterable[torch.Tensor], version: int) -> None:
+        """``tensors``: every parameter whole, in order, each taken only when its bucket is filled
+        (so a sharded learner gathers one parameter at a time)."""
+        wait_for_group(self.group)
         broadcast_flag(version, self.src, self.group, self.device)
+        tensors = iter(tensors)
         for bucket in self.plan:
-            filled = self.buffer[:sum(self.sizes[i] for i in bucket)]
-            torch.cat([self.format.encode(i, tensors[i]).to(self.device) for i in bucket], out=filled)
-            dist.broadcast(filled, src=self.src, group=self.group)
+            offset = 0
+            for i in bucket:
+                self.buffer[offset:offset + self.sizes[i]].copy_(self.format.encode(i, next(tensors)))
+                offset += self.sizes[i]
+            dist.broadcast(self.buffer[:offset], src=self.src, group=self.group)
 
     def receive(self) -> int:
         """Decode the next version into place; returns its number."""
-        _everyone_here(self.group)
+        wait_for_group(self.group)
         version = broadcast_flag(-1, self.src, self.group, self.device)
         with torch.no_grad():
             for bucket in self.plan:
@@ -319,7 +324,7 @@ class WeightBroadcast:
 def gather_json(value: Any, dst: int, group: dist.ProcessGroup, device: torch.device) -> Optional[list[Any]]:
     """Every rank's JSON-safe ``value``, in group order, on global rank ``dst`` (None elsewhere).
     JSON bytes in a tensor, so nothing is unpickled on the receiving side."""
-    _everyone_here(group)
+    wait_for_group(group)
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     size = torch.tensor([payload.numel()], dtype=torch.long, device=device)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
@@ -406,7 +411,7 @@ def finish_together() -> None:
     if not dist.is_initialized():
         return  # one process: nobody to wait for
     with phase("shutdown"):
-        _everyone_here(None)
+        wait_for_group(None)
         # Before the barrier: rank 0 leaves once past it and takes the store with it, which a
         # heartbeat must not outlive (c10d prints pages of warnings about the lost connection).
         stop_heartbeat()

@@ -14,10 +14,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+import ckpt
 import dapo_loss
 from buckets import bucket_bound, bucketed_batches
 from config import Config, RolloutConfig, UserError
@@ -367,12 +368,19 @@ class Rollout:
         return sums
 
     @torch.no_grad()
-    def load_weights(self, tensors: Sequence[torch.Tensor], version: int) -> None:
+    def load_weights(self, tensors: Iterable[torch.Tensor], version: int) -> None:
         """One process: the learner's weights into the rollout copy, in the form they would
         travel between ranks (so one process and several compute the same)."""
         for index, tensor in enumerate(tensors):
             self.weights.decode(index, self.weights.encode(index, tensor).to(self.plat.device))
         self.weight_version = version
+
+    def load_checkpoint_weights(self, folder: Path, version: int) -> None:
+        """A resumed rollout rank: weights ``version`` from a checkpoint's learner shards, read a
+        bucket at a time and converted as the weight sync converts them."""
+        bucket_bytes = self.cfg.run.weight_sync_bucket_mb * 2**20
+        with phase("checkpoint load"):
+            self.load_weights(ckpt.iter_full_weights(folder, self.weights.names, bucket_bytes), version)
 
     def receive_weights(self, broadcast: WeightBroadcast) -> int:
         """A rollout rank: the next weight version from the lead learner, by broadcast."""

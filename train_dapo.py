@@ -22,6 +22,7 @@ import torch
 
 import ckpt
 import dapo_loss
+import dry_run
 import memory_plan
 import stopping
 from config import Config, Derived, Schedule, UserError, load_config, warnings_for
@@ -64,16 +65,13 @@ class Trainer:
         self.fingerprint = ckpt.run_fingerprint(cfg, self.tokenizer, self.train_set.prompt_ids, layout.world_size,
                                                 layout.num_learners)
         saved = ckpt.check_resumable(resume, self.fingerprint, cfg.flat(), warn if lead else quiet) if resume else None
-        weights_path = resume / "model" if resume is not None else Path(cfg.model.model_path)
-        self.step = 0
+        self.step, self.first_generation_step = 0, 1
         self.schedule = Schedule(cfg.run, has_val_set=self.val_set is not None)
-        self.first_generation_step = 1
-        self.learner = Learner(cfg, plat, derived, layout, groups, weights_path, Path(cfg.model.model_path)) \
-            if layout.is_learner else None
+        self.learner = Learner(cfg, plat, derived, layout, groups, resume) if layout.is_learner else None
         self.rollout = None
         if self.single or not layout.is_learner:
             model = self.learner.rollout_copy(cfg.model.rollout_dtype) if self.single else \
-                load_rollout_model(weights_path, cfg.model.rollout_dtype, plat.device)
+                load_rollout_model(Path(cfg.model.model_path), cfg.model.rollout_dtype, plat.device)
             self.rollout = Rollout(cfg, plat, layout, model, self.tokenizer, self.train_set, self.val_set)
         if not self.single and (lead or not layout.is_learner):
             weights_format = RolloutWeights(self.learner.policy.config, cfg.model.rollout_dtype) if lead \
@@ -159,8 +157,8 @@ class Trainer:
                 batch, row = self.collect(step)
                 if stale > 0:
                     save_time = self.hand_off(step - 1, (batch, row))
-            elif self.schedule.saves(step - 1):
-                self.checkpoints.save_learner_shard(step - 1)
+            else:
+                self.follow_hand_off(step - 1)
             train_start = time.perf_counter()
             row = {**row, **self.learn(step, batch)}
             if lead:
@@ -173,7 +171,7 @@ class Trainer:
         self.finish()
 
     def learn(self, step: int, batch: Optional[SampleBatch]) -> dict[str, Any]:
-        """All learners: receive the step's batch, train on it, gather the new weights."""
+        """All learners: receive the step's batch and train on it."""
         if self.layout.num_learners > 1:
             with phase("sample transfer"):
                 batch = broadcast_samples(batch, self.layout.lead_learner, self.groups.learners, self.plat.device,
@@ -182,7 +180,6 @@ class Trainer:
         with phase("update"):
             row = self.update_policy(batch, self.compute_advantages(batch))
         row.update(self.learner.counters(), staleness=int(step - 1 - batch.version.min()))
-        self.learner.gather_full_weights()
         return row
 
     def collect(self, step: int) -> Collected:
@@ -201,17 +198,23 @@ class Trainer:
         if version <= self.schedule.resumed_from:  # v0: the base model; a resumed run's first: sent before its save
             return None
         start = time.perf_counter()
-        if self.single:
-            self.rollout.load_weights(self.learner.full_weights, version)
-        else:
-            with phase("weight sync"):
-                self.weights.send(self.learner.full_weights, version)
+        with phase("weight sync"):
+            send = self.rollout.load_weights if self.single else self.weights.send
+            send(self.learner.full_weights(), version)
         row = self.pending_rows.pop(version, {"step": version})
         row["sync_time_s"] = time.perf_counter() - start
         if self.schedule.validates(version):
             self.record_validation(row)
         self.report.write(row)
-        return self.checkpoints.save(version, collected) if self.schedule.saves(version) else None
+        saves = self.schedule.saves(version)
+        return self.checkpoints.save(version, collected, export=self.schedule.exports(version)) if saves else None
+
+    def follow_hand_off(self, version: int) -> None:
+        """A learner other than the lead: its part in the lead's hand_off of ``version``."""
+        if version > self.schedule.resumed_from:
+            self.learner.join_weight_sync()
+        if self.schedule.saves(version):
+            self.checkpoints.save_learner_shard(version, export=self.schedule.exports(version))
 
     def record_validation(self, row: dict[str, Any]) -> None:
         if self.single:
@@ -228,18 +231,15 @@ class Trainer:
         if self.layout.is_lead:
             ahead = self.collect(final + 1) if self.schedule.collects_past_the_end() else None
             waited = self.hand_off(final, ahead)
-        elif self.schedule.saves(final):
-            self.checkpoints.save_learner_shard(final)
+        else:
+            self.follow_hand_off(final)
         start = time.perf_counter()
         self.learner.writer.wait()  # the run ends with its last checkpoint complete on disk
         if waited is not None:
             log(f"checkpoint {ckpt.step_dir_name(final)} saved in {waited + time.perf_counter() - start:.2f}s")
 
     def train(self) -> None:
-        if self.layout.is_learner:
-            self.run_learner()
-        else:
-            self.run_rollout()
+        self.run_learner() if self.layout.is_learner else self.run_rollout()
 
 
 def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
@@ -247,8 +247,9 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     groups = None
     try:
         argv, plan_ranks = memory_plan.split_plan_request(argv)
+        argv, dry_ranks = dry_run.split_dry_run_request(argv)
         cfg = load_config(argv)
-        world_size = plan_ranks or int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = plan_ranks or dry_ranks or int(os.environ.get("WORLD_SIZE", "1"))
         derived = Derived.of(cfg, world_size)
         layout = Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                         num_learners=derived.num_learner_ranks)
@@ -256,9 +257,9 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         check_rollout_inputs(cfg)  # before any model loads and before output_dir is written
         check_report_to(cfg.run.report_to)
-        if memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
-                             plan_only=plan_ranks is not None, lead=lead):
-            return 0
+        if dry_ranks or memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
+                                          plan_only=plan_ranks is not None, lead=lead):
+            return dry_run.run(cfg, derived) if dry_ranks else 0
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
         for message in warnings_for(cfg) if lead else []:
@@ -283,6 +284,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
             (out / "config.yaml").write_text(cfg.to_yaml())
             write_env_report(out / "env_report.json", plat, world_size)
         trainer.train()
+        memory_plan.record_usage(layout, plat, out)
         finish_together()
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")

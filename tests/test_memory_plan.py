@@ -40,10 +40,10 @@ def test_the_demo_models_plan_is_the_hand_computed_one(demo_assets, tmp_path):
     rotary_buffers = 2 * c["head_dim"] // 2 * 4
     model_config = AutoConfig.from_pretrained(demo_assets / "model")
     for dtype, kl in (("fp32", "0"), ("fp8", "0.1")):
-        cfg = load_config(["--model_path", str(demo_assets / "model"), "--rollout_dtype", dtype, "--kl_coef", kl,
-                           "--prompts_per_step", "6", "--sample_num", "8", "--max_prompt_length", "64",
-                           "--max_response_length", "8", "--per_device_batch_size", "8",
-                           "--gradient_accumulation_steps", "1"])
+        argv = ["--model_path", str(demo_assets / "model"), "--rollout_dtype", dtype, "--kl_coef", kl,
+                "--prompts_per_step", "6", "--sample_num", "8", "--max_prompt_length", "64",
+                "--max_response_length", "8", "--per_device_batch_size", "8", "--gradient_accumulation_steps", "1"]
+        cfg = load_config(argv)
         plan = make_plan(cfg, Derived.of(cfg, 8), model_config, 2**30, with_reference=kl != "0")
         params = counted["params"]
         assert plan["model"]["params"] == params
@@ -52,35 +52,57 @@ def test_the_demo_models_plan_is_the_hand_computed_one(demo_assets, tmp_path):
         weights = 4 * params if dtype == "fp32" else counted["fp8_bytes"] + rotary_buffers
         assert plan["rollout_rank"]["weights"] == weights
         shard = params // 2 + params % 2  # FSDP2 over 2 learner ranks
-        device = plan["learner_rank"]["device"]
-        assert device["params"] == 4 * shard * (2 if kl != "0" else 1)  # fp32, the KL reference beside it
+        device, host = plan["learner_rank"]["device"], plan["learner_rank"]["host"]
+        # fp32 master weights, and beside them the frozen KL reference in the bf16 FSDP2 computes in.
+        assert device["params"] == 4 * shard + (2 * shard if kl != "0" else 0)
         assert (device["grads"], device["optimizer"]) == (4 * shard, 8 * shard)
-        assert plan["learner_rank"]["host"]["params"] == 4 * params  # the lead's fp32 copy
+        # Nothing whole on the host: each learner's copy of its weight and AdamW shards for a checkpoint.
+        assert (host["params"], host["grads"], host["optimizer"], host["checkpoint_copy"]) == (0, 0, 0, 12 * shard)
+        assert plan["node_host_total"] == 2 * host["total"] + 6 * 4 * params  # rollout ranks load fp32 files
         assert plan["fits"] is True
+        offloaded = make_plan(load_config(argv + ["--learner_offload", "true"]), Derived.of(cfg, 8), model_config,
+                              2**30, with_reference=kl != "0")["learner_rank"]
+        assert offloaded["device"]["total"] == offloaded["device"]["activations"] == device["activations"]
+        assert [offloaded["host"][k] for k in ("params", "grads", "optimizer")] == \
+            [device["params"], 4 * shard, 8 * shard]
 
 
-def test_the_30b_plan_prints_fast_says_what_does_not_fit_and_matches_a_hand_count(tmp_path):
-    config = ROOT / "configs" / "models" / "qwen3-30b-a3b" / "config.json"
-    counted = hand_count(json.loads(config.read_text()))
+def plan_30b(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    config = ROOT / "configs" / "models" / "qwen3-30b-a3b"
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "train_dapo.py", "--config", "configs/qwen3_30b_a3b_dapo.yaml",
-                           "--model_path", str(config.parent), "--output_dir", str(tmp_path), "--device_memory_gb", "64",
-                           "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    seconds = time.monotonic() - start
+                           "--model_path", str(config), "--output_dir", str(out), *extra, "--plan"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert seconds < 30  # 4 s here; the issue asks for 10 s on this CPU, the margin is for slower machines
-    plan = json.loads((tmp_path / "memory_plan.json").read_text())
+    return proc, time.monotonic() - start
+
+
+def test_the_30b_plan_prints_fast_fits_with_its_settings_and_matches_a_hand_count(tmp_path):
+    counted = hand_count(json.loads((ROOT / "configs" / "models" / "qwen3-30b-a3b" / "config.json").read_text()))
+    proc, seconds = plan_30b(tmp_path / "shipped")
+    assert seconds < 30  # 4-7 s here; the issue asks for 10 s on this CPU, the margin is for slower machines
+    plan = json.loads((tmp_path / "shipped" / "memory_plan.json").read_text())
     params = plan["model"]["params"]
     assert params == counted["params"] and abs(params - 30.53e9) < 0.01e9
     assert plan["rollout_rank"]["weights"] == pytest.approx(counted["fp8_bytes"], rel=1e-4)
     # 32 prompts x 8 over 6 rollout ranks: 6 prompts, 48 sequences of 2048 + 2048 tokens, 48 layers x 4 KV heads x 128.
     assert plan["rollout_rank"]["kv_cache"] == 48 * 4096 * 2 * 48 * 4 * 128 * 2
-    learner = plan["learner_rank"]["device"]
-    # 30.5B x (4 + 4 + 8) bytes over 2 learners = 244 GB, plus the fp32 KL reference (kl_coef_init 0.05).
-    assert learner["params"] + learner["grads"] + learner["optimizer"] == pytest.approx(params * 20 / 2, rel=1e-6)
-    assert plan["fits"] is False
-    assert "DOES NOT FIT" in proc.stdout and "learner_offload" in proc.stdout
-    assert "rollout_dtype fp8 is needed: with bf16 weights" in proc.stdout
+    device, host = plan["learner_rank"]["device"], plan["learner_rank"]["host"]
+    assert device["params"] + device["grads"] + device["optimizer"] == 0  # learner_offload: true
+    # 30.5B x (4 + 4 + 8) bytes over 2 learners, plus the bf16 KL reference (kl_coef_init 0.05), in host memory.
+    assert host["params"] + host["grads"] + host["optimizer"] == pytest.approx(params * 18 / 2, rel=1e-6)
+    assert plan["fits"] is True and "device memory:     64.00 GiB: fits" in proc.stdout
+    assert "rollout_dtype fp8 is needed: with bf16 weights" in proc.stdout  # 81 GiB a rank with bf16 weights
+
+
+def test_without_offload_the_30b_plan_says_the_learners_need_it(tmp_path):
+    proc, _ = plan_30b(tmp_path, "--learner_offload", "false", "--device_memory_gb", "64")
+    plan = json.loads((tmp_path / "memory_plan.json").read_text())
+    device = plan["learner_rank"]["device"]
+    assert device["params"] + device["grads"] + device["optimizer"] == pytest.approx(
+        plan["model"]["params"] * 18 / 2, rel=1e-6)  # 275 GB on a 64 GB device
+    assert plan["fits"] is False and "DOES NOT FIT" in proc.stdout
+    assert "the learners need learner_offload: true" in proc.stdout
 
 
 def test_a_run_that_cannot_fit_is_refused_naming_the_biggest_item(demo_argv, tmp_path, capsys):

@@ -90,6 +90,28 @@ class WeightFiles:
         return found
 
 
+def empty_model(path: Path, device: Any, dtype: torch.dtype,
+                prepare: Optional[Callable[[torch.nn.Module], Any]] = None) -> torch.nn.Module:
+    """The architecture of the model folder ``path`` in ``dtype``, built on the meta device,
+    ``prepare``-d there (sharded, converted to FP8), then given storage on ``device`` without
+    its weights, which the caller reads a piece at a time. Buffers (the rotary frequencies) are
+    computed, not read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if prepare is not None:
+        prepare(model)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module a parameter of its own
+    with torch.no_grad():
+        for module in model.modules():
+            if next(module.buffers(recurse=False), None) is not None:
+                model._init_weights(module)  # transformers' own initialisation of the buffers
+    return model
+
+
 def plan_files(shapes: dict[str, torch.Size], itemsize: int, max_file_bytes: int = MAX_FILE_BYTES) -> list[list[str]]:
     """In-memory parameter names grouped into weight files of at most ``max_file_bytes`` (a
     larger parameter fills a file alone), in the given order."""

@@ -23,7 +23,7 @@ import dapo_loss
 from config import Config, Derived
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import convert_to_fp8
-from hf_weights import WeightFiles
+from hf_weights import WeightFiles, empty_model
 from metrics import log, warn
 from ranks import (Groups, Layout, all_reduce_max, all_reduce_sum, all_reduce_tensor, gather_json, phase,
                    wait_for_group)
@@ -56,24 +56,12 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, learner_dtype: str, offloa
 
 def build_model(path: Path, device: torch.device, mesh: Any = None, *, learner_dtype: str = "fp32",
                 offload: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The architecture of ``path`` in ``dtype``, built on the meta device, sharded over ``mesh`` when
-    given, then given storage for this rank's shards only: its weights are not filled in yet
-    (:func:`fill_from_files`, or a checkpoint's learner state)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if mesh is not None:
-        shard_model(model, mesh, learner_dtype=learner_dtype, offload=offload)
-    model.to_empty(device="cpu" if offload else device)
-    if mesh is None:
-        model.tie_weights()  # to_empty gives each module a parameter of its own; FSDP2 keeps them shared
-    with torch.no_grad():
-        for module in model.modules():  # buffers (rotary frequencies) are computed, not stored
-            if next(module.buffers(recurse=False), None) is not None:
-                model._init_weights(module)
-    return model
+    """The architecture of ``path`` in ``dtype``, sharded over ``mesh`` when given, with storage
+    for this rank's shards only (on the host with ``offload``): its weights are not filled in
+    yet (:func:`fill_from_files`, or a checkpoint's learner state)."""
+    shard = None if mesh is None else \
+        (lambda model: shard_model(model, mesh, learner_dtype=learner_dtype, offload=offload))
+    return empty_model(path, "cpu" if offload else device, dtype, shard)
 
 
 def shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -46,6 +46,7 @@ class Architecture:
     experts_per_token: int
     expert_intermediate: int
     largest_layer_params: int
+    largest_param: int
     fp8_rollout_bytes: int  # the FP8 rollout copy: quantized weights, scales, the rest in bf16
 
     @staticmethod
@@ -66,6 +67,7 @@ class Architecture:
             experts_per_token=getattr(text, "num_experts_per_tok", 1),
             expert_intermediate=getattr(text, "moe_intermediate_size", text.intermediate_size),
             largest_layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+            largest_param=max(p.numel() for p in model.parameters()),
             fp8_rollout_bytes=weight_bytes(convert_to_fp8(model, torch.bfloat16)))
 
     def saved_per_token_layer(self, dtype_bytes: int) -> int:
@@ -135,8 +137,9 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     rollout = rollout_rank(cfg, derived, arch)
     learner = learner_rank(cfg, derived, arch, with_reference=with_reference)
     ranks_per_node = derived.world_size  # one node: every rank shares the host
-    # A rollout rank reads the whole model into host memory once, at start-up, in the files' dtype.
-    rollout_host = arch.params * hf_weights.stored_dtype(model_config).itemsize
+    # A rollout rank reads its weights one parameter at a time: as stored, in fp32 while quantized,
+    # and its encoded bytes.
+    rollout_host = arch.largest_param * (hf_weights.stored_dtype(model_config).itemsize + 4 + 1)
     node_host = derived.num_learner_ranks * learner["host"]["total"] + derived.num_rollout_ranks * rollout_host
     checkpoint = {"per_step": checkpoint_bytes(arch.params),
                   "per_learner_rank": 12 * math.ceil(arch.params / derived.num_learner_ranks)}

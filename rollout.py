@@ -24,6 +24,7 @@ from buckets import bucket_bound, bucketed_batches
 from config import Config, RolloutConfig, UserError
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import FP8, convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
+from hf_weights import WeightFiles, empty_model
 from ranks import Layout, WeightBroadcast, phase
 from rewards import Scored
 from samples import SampleBatch
@@ -371,8 +372,7 @@ class Rollout:
     def load_weights(self, tensors: Iterable[torch.Tensor], version: int) -> None:
         """One process: the learner's weights into the rollout copy, in the form they would
         travel between ranks (so one process and several compute the same)."""
-        for index, tensor in enumerate(tensors):
-            self.weights.decode(index, self.weights.encode(index, tensor).to(self.plat.device))
+        self.weights.load(tensors, self.plat.device)
         self.weight_version = version
 
     def load_checkpoint_weights(self, folder: Path, version: int) -> None:
@@ -515,6 +515,12 @@ class RolloutWeights:
             pieces = [tensor.detach().to(self.dtype).reshape(-1).view(torch.uint8)]
         return torch.cat([torch.nn.functional.pad(p, (0, _aligned(p.numel()) - p.numel())) for p in pieces])
 
+    def load(self, tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+        """Every parameter, whole and in order, into the bound model, by way of the bytes that
+        weight sync sends (so weights loaded and weights received are the same)."""
+        for index, tensor in enumerate(tensors):
+            self.decode(index, self.encode(index, tensor).to(device))
+
     @torch.no_grad()
     def decode(self, index: int, data: torch.Tensor) -> None:
         shape, target = self.shapes[index], self.targets[index]
@@ -528,14 +534,15 @@ class RolloutWeights:
 
 
 def load_rollout_model(path: Path, rollout_dtype: str, device: torch.device) -> torch.nn.Module:
-    """A rollout rank's copy of the policy. FP8 is quantized on the host from the weights as
-    stored (so from the same values the learner quantizes when it sends new ones) and only then
-    moved to the device, which never holds the model in full precision."""
-    from transformers import AutoModelForCausalLM
-
+    """A rollout rank's copy of the policy, read from the files one parameter at a time and
+    converted as weight sync converts what it sends (FP8: quantized on the host): neither the
+    host nor the device ever holds the model in full precision."""
     dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
-    if rollout_dtype != "fp8":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
-    stored = AutoModelForCausalLM.from_pretrained(path, dtype="auto", local_files_only=True)
-    return convert_to_fp8(stored, dtype).to(device)
-
+    to_fp8 = (lambda model: convert_to_fp8(model, dtype)) if rollout_dtype == "fp8" else None
+    model = empty_model(path, device, dtype, to_fp8)
+    weights = RolloutWeights(model.config, rollout_dtype)
+    weights.bind(model)
+    files = WeightFiles(path)
+    weights.load((files.rows(name, shape, 0, shape[0]) for name, shape in zip(weights.names, weights.shapes)),
+                 device)
+    return model

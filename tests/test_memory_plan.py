@@ -58,7 +58,10 @@ def test_the_demo_models_plan_is_the_hand_computed_one(demo_assets, tmp_path):
         assert (device["grads"], device["optimizer"]) == (4 * shard, 8 * shard)
         # Nothing whole on the host: each learner's copy of its weight and AdamW shards for a checkpoint.
         assert (host["params"], host["grads"], host["optimizer"], host["checkpoint_copy"]) == (0, 0, 0, 12 * shard)
-        assert plan["node_host_total"] == 2 * host["total"] + 6 * 4 * params  # rollout ranks load fp32 files
+        # Rollout ranks read one parameter at a time: the largest is a layer's fused gate_up experts.
+        largest = c["num_local_experts"] * 2 * c["moe_intermediate_size"] * c["hidden_size"]
+        assert plan["rollout_rank_host_at_start"] == largest * (4 + 4 + 1)  # fp32 files, fp32, encoded bytes
+        assert plan["node_host_total"] == 2 * host["total"] + 6 * plan["rollout_rank_host_at_start"]
         assert plan["fits"] is True
         offloaded = make_plan(load_config(argv + ["--learner_offload", "true"]), Derived.of(cfg, 8), model_config,
                               2**30, with_reference=kl != "0")["learner_rank"]

@@ -546,6 +546,9 @@ def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str,
                     warn: Callable[[str], None]) -> dict[str, Any]:
     """The checkpoint's trainer state, if it was written by this model, tokenizer, layout and data;
     ``warn`` hears of other changed settings (the run would not match an uninterrupted one)."""
+    if not (folder / LEARNER_STATE).is_dir():
+        raise UserError(f"checkpoint {folder} has no {LEARNER_STATE}/: it was written by an older version of this "
+                        f"trainer, which cannot resume it (its model/ folder opens with from_pretrained)")
     saved = read_json(folder / "trainer_state.json")
     for what in ("model", "tokenizer", "layout", "data"):
         difference = first_difference(saved["fingerprint"][what], fingerprint[what])

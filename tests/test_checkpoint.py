@@ -218,6 +218,21 @@ def test_checkpoint_of_another_layout_or_batching_is_refused(demo_argv, finished
                            Layout(world_size=2, rank=1, num_learners=1), resume=step_folder(finished_copy, 6))
 
 
+def test_a_checkpoint_without_learner_shards_is_refused_with_one_line(demo_argv, finished_copy, capsys):
+    import shutil
+
+    shutil.rmtree(step_folder(finished_copy, 6) / ckpt.LEARNER_STATE)  # what an older version wrote
+    complete = step_folder(finished_copy, 6) / ckpt.COMPLETE
+    marker = json.loads(complete.read_text())
+    marker["file_sizes"] = {k: v for k, v in marker["file_sizes"].items() if not k.startswith(ckpt.LEARNER_STATE)}
+    complete.write_text(json.dumps(marker))
+    before = snapshot(finished_copy)
+    err = refused(run_argv(demo_argv, finished_copy, 8, "--resume_from_checkpoint", str(step_folder(finished_copy, 6))),
+                  capsys)
+    assert f"has no {ckpt.LEARNER_STATE}/: it was written by an older version" in err
+    assert snapshot(finished_copy) == before
+
+
 def test_auto_without_a_checkpoint_starts_fresh_and_says_so(demo_argv, tmp_path, capsys):
     out = tmp_path / "fresh"
     assert train_dapo.main(run_argv(demo_argv, out, 1, "--resume_from_checkpoint", "auto")) == 0

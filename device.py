@@ -51,6 +51,12 @@ class Platform:
         """torch.cuda / torch.npu; None on CPU."""
         return None if self.kind == "cpu" else getattr(torch, self.kind)
 
+    def learner_backend(self, offload: bool) -> str:
+        """The learners' group backend: with offload, collectives on host tensors (gradient
+        clipping's norm over offloaded gradients) go to gloo, the rest to the device's backend,
+        as torchtitan does for CPU offload."""
+        return f"{self.kind}:{self.backend},cpu:gloo" if offload and self.kind != "cpu" else self.backend
+
     def bind(self) -> None:
         """Make this process's accelerator the current one (before any collective)."""
         if self.module is not None:

@@ -119,12 +119,13 @@ class Groups:
     checkpoint: Optional[dist.ProcessGroup] = None  # the learners again, for checkpoint writer threads only
 
 
-def init_groups(layout: Layout, backend: str, timeout_s: float) -> Groups:
-    """Create the subgroups; every rank must call this, in the same order (new_group is collective)."""
+def init_groups(layout: Layout, backend: str, timeout_s: float, learner_backend: Optional[str] = None) -> Groups:
+    """Create the subgroups; every rank must call this, in the same order (new_group is collective).
+    ``learner_backend``: the learners' own (Platform.learner_backend), by default ``backend``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     learner_ranks = list(range(layout.num_rollout, layout.world_size))
     sync_ranks = list(range(layout.num_rollout)) + [layout.lead_learner]
-    learners = dist.new_group(learner_ranks, backend=backend, timeout=timeout)
+    learners = dist.new_group(learner_ranks, backend=learner_backend or backend, timeout=timeout)
     sync = dist.new_group(sync_ranks, backend=backend, timeout=timeout)
     # Checkpoint files are written beside training, so their collectives need a group of their
     # own; gloo, because what they carry are host copies.
@@ -390,7 +391,7 @@ def _attempt_store(rank: int, timeout: datetime.timedelta) -> Optional[dist.Stor
             time.sleep(0.5)
 
 
-def init_world(layout: Layout, backend: str, timeout_s: float) -> Groups:
+def init_world(layout: Layout, backend: str, timeout_s: float, learner_backend: Optional[str] = None) -> Groups:
     """Join the torchrun job (env:// rendezvous, in a store of this attempt's own: see
     :func:`_attempt_store`), every collective bounded by timeout_s, start this rank's heartbeat
     and create the subgroups."""
@@ -402,7 +403,7 @@ def init_world(layout: Layout, backend: str, timeout_s: float) -> Groups:
                                 world_size=layout.world_size, timeout=timeout)
         _liveness = Liveness(dist.distributed_c10d._get_default_store(), layout.rank, timeout_s,
                              describe=lambda: {"phase": _current_phase, "step": _current_step, "role": role})
-        return init_groups(layout, backend, timeout_s)
+        return init_groups(layout, backend, timeout_s, learner_backend)
 
 
 def finish_together() -> None:

@@ -275,7 +275,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         stopping.watch(layout, out)  # Ctrl-C and SIGTERM end the run with one line from here on
         if world_size > 1:
             plat.bind()
-            groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s)
+            groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s,
+                                plat.learner_backend(cfg.model.learner_offload))
         seed_everything(cfg.run.seed + layout.rank)
         trainer = trainer_class(cfg, plat, derived, layout, groups, resume)  # checks the inputs; writes nothing
         if lead and (resumed := trainer.schedule.resumed_from) >= cfg.run.max_steps:

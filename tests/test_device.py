@@ -50,6 +50,19 @@ def test_npu_beats_cuda_and_cuda_beats_cpu(monkeypatch):
     assert select_platform("cuda").backend == "nccl"  # an explicit request wins
 
 
+def test_offloading_learners_send_host_tensors_through_gloo():
+    from torch.distributed import Backend
+
+    for kind, backend in (("npu", "hccl"), ("cuda", "nccl")):
+        plat = device.Platform(kind, backend)
+        assert plat.learner_backend(offload=False) == backend
+        mixed = plat.learner_backend(offload=True)
+        assert mixed == f"{kind}:{backend},cpu:gloo"
+        # The form torch.distributed parses into a backend per device type.
+        assert Backend(mixed) == mixed.lower()
+    assert device.Platform("cpu", "gloo").learner_backend(offload=True) == "gloo"
+
+
 def test_rng_state_survives_json_and_restores_every_generator():
     plat = select_platform("cpu")
     device.seed_everything(5)

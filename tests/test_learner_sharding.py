@@ -1,5 +1,5 @@
 """Learners that hold only their shards, under torchrun (1 rollout + 2 learner ranks) on a model
-wide enough (~50M parameters, 200 MB in fp32) for a whole fp32 copy to stand out: offload on and
+wide enough (~13M parameters, 52 MB in fp32) for a whole fp32 copy to stand out: offload on and
 off give the same run, the lead learner holds no whole copy of the weights, and the Hugging Face
 export is the same whether the run or ``python ckpt.py export`` writes it."""
 import json
@@ -12,7 +12,7 @@ import pytest
 from tests.test_ranks import metrics_rows, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS, EXPERTS, HIDDEN, EXPERT_WIDTH = 8, 16, 512, 256
+LAYERS, EXPERTS, HIDDEN, EXPERT_WIDTH = 4, 8, 512, 256
 
 
 def wide_model(demo_assets: Path, out: Path) -> int:
@@ -75,8 +75,8 @@ sys.exit(train_dapo.main(sys.argv[1:], trainer_class=Census))
 def args(script: Path, demo_assets: Path, model: Path, out: Path, offload: str) -> list[str]:
     return [str(script), "--config", "configs/demo_cpu.yaml", "--model_path", str(model),
             "--dataset", str(demo_assets / "train.jsonl"), "--output_dir", str(out), "--max_steps", "2",
-            "--val_every", "0", "--save_every", "1", "--hf_export_every", "0", "--hf_export_file_mb", "16",
-            "--weight_sync_bucket_mb", "16", "--gradient_accumulation_steps", "3", "--learner_ranks", "2",
+            "--val_every", "0", "--save_every", "1", "--hf_export_every", "0", "--hf_export_file_mb", "8",
+            "--weight_sync_bucket_mb", "8", "--gradient_accumulation_steps", "3", "--learner_ranks", "2",
             "--dist_timeout_s", "120", "--dynamic_sampling", "false", "--learner_offload", offload]
 
 
@@ -117,9 +117,10 @@ def test_the_lead_learner_holds_no_whole_copy_of_the_weights(runs):
     model_bytes, outputs = runs
     for offload, (out, log) in outputs.items():
         lead, other = (json.loads((out / f"census_{rank}.json").read_text()) for rank in (1, 2))
-        # The lead's extra is the 16 MB sync buffer and the samples; the old lead kept a whole fp32
-        # copy of the weights for weight sync and checkpoints, 1.0 of the model more.
-        assert lead - other < 0.25 * model_bytes, (offload, lead - other, model_bytes)
+        # The lead's extra is the sync buffer (one 8 MB parameter, 0.16 of the model) and the
+        # samples; the old lead kept a whole fp32 copy of the weights for weight sync and
+        # checkpoints: 1.08 of the model more, measured.
+        assert lead - other < 0.5 * model_bytes, (offload, lead - other, model_bytes)
         roles = [entry["role"] for entry in json.loads((out / "memory_used.json").read_text())["ranks"]]
         assert roles == ["rollout", "learner (lead)", "learner"] and "peak memory per rank" in log
 
@@ -131,12 +132,12 @@ def test_the_export_is_written_from_the_shards_and_the_command_writes_the_same(r
     assert not (step_folder(out, 1) / "model").exists()  # hf_export_every 0: the last step only
     exported = step_folder(out, 2) / "model"
     files = sorted(p.name for p in exported.glob("*.safetensors"))
-    assert len(files) > 4 and (exported / "model.safetensors.index.json").is_file()  # 16 MB files from 200 MB
+    assert len(files) > 4 and (exported / "model.safetensors.index.json").is_file()  # 8 MB files from 52 MB
     _, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     again = tmp_path / "again"
     proc = subprocess.run([sys.executable, "ckpt.py", "export", str(step_folder(out, 2)), str(again),
-                           "--max_file_mb", "16"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--max_file_mb", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in exported.iterdir())
     for name in files + ["model.safetensors.index.json", "config.json"]:
@@ -145,5 +146,5 @@ def test_the_export_is_written_from_the_shards_and_the_command_writes_the_same(r
     proc = subprocess.run([sys.executable, "ckpt.py", "export", str(step_folder(out, 1)), str(first)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    _, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)  # one 200 MB file
+    _, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)  # one 52 MB file
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -306,6 +307,21 @@ def load_config(argv: list[str]) -> Config:
     cfg = Config(**{s: SECTIONS[s](**kw) for s, kw in sections.items()})
     validate(cfg)
     return cfg
+
+
+def split_inspection(argv: list[str]) -> tuple[list[str], Optional[str], Optional[int]]:
+    """(the other arguments, "plan" or "dry_run" when ``--plan [WORLD_SIZE]`` or ``--dry_run
+    [WORLD_SIZE]`` asks to look before running, the world size to lay out: by default torchrun's
+    WORLD_SIZE, else one node of 8 devices)."""
+    asked = [flag for flag in ("--plan", "--dry_run") if flag in argv]
+    if not asked:
+        return argv, None, None
+    if len(asked) > 1:
+        raise ConfigError("give --plan or --dry_run, not both (the dry run prints the plan beside what it measures)")
+    at = argv.index(asked[0])
+    given = argv[at + 1] if at + 1 < len(argv) and argv[at + 1].isdigit() else None
+    rest = argv[:at] + argv[at + 1 + (given is not None):]
+    return rest, asked[0][2:], int(given) if given else int(os.environ.get("WORLD_SIZE", "8"))
 
 
 def validate(cfg: Config) -> None:

@@ -115,11 +115,14 @@ def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_refe
     activations = (tokens * arch.saved_per_token_layer(compute) * saved_layers + layer_inputs
                    + 2 * response_tokens * arch.vocab * compute  # the logits and their gradient
                    + 2 * 4 * arch.largest_layer_params)  # FSDP2's gathered layer and the next, prefetched
-    state = {"params": params, "grads": grads, "optimizer": optimizer}
+    # AdamW (foreach) holds one fp32 temporary the size of a shard while it steps; activations are
+    # gone by then, so the peak is the larger of the two on top of what persists.
+    state, step = {"params": params, "grads": grads, "optimizer": optimizer}, 4 * shard
     offload = cfg.model.learner_offload
-    device = {**{k: 0 if offload else v for k, v in state.items()}, "activations": activations}
-    device["total"] = sum(device.values())
-    host = {k: v if offload else 0 for k, v in state.items()}
+    device = {**{k: 0 if offload else v for k, v in state.items()}, "activations": activations,
+              "optimizer_step": 0 if offload else step}
+    device["total"] = sum(device[k] for k in state) + max(activations, device["optimizer_step"])
+    host = {**{k: v if offload else 0 for k, v in state.items()}, "optimizer_step": step if offload else 0}
     host["checkpoint_copy"] = 4 * shard + 8 * shard if cfg.run.save_every else 0  # weights + AdamW shards
     host["total"] = sum(host.values())
     return {"device": device, "host": host}
@@ -229,17 +232,6 @@ def record_usage(layout: Layout, plat: Platform, out_dir: Path) -> None:
         return f"{max(values) / GIB:.2f}" if values else "-"
     peaks = [f"{role} {most(entries, 'host_peak')}/{most(entries, 'device_peak')}" for role, entries in roles.items()]
     log("peak memory per rank, host/device GiB: " + ", ".join(peaks) + " (memory_used.json)")
-
-
-def split_plan_request(argv: list[str]) -> tuple[list[str], Optional[int]]:
-    """(the other arguments, the world size ``--plan [WORLD_SIZE]`` asks about, or None without
-    --plan). The default is torchrun's WORLD_SIZE, else one node of 8 devices."""
-    if "--plan" not in argv:
-        return argv, None
-    at = argv.index("--plan")
-    given = argv[at + 1] if at + 1 < len(argv) and argv[at + 1].isdigit() else None
-    rest = argv[:at] + argv[at + 1 + (given is not None):]
-    return rest, int(given) if given else int(os.environ.get("WORLD_SIZE", "8"))
 
 
 def check(cfg: Config, derived: Derived, device_memory: Optional[int], *, with_reference: bool, plan_only: bool,

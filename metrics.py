@@ -307,13 +307,15 @@ class StepReporter:
         if self.logs(step):
             self.completions.record(step, batch)
 
-    def observe_validation(self, row: dict[str, Any], *, val_reward: float, val_acc: Optional[float]) -> None:
+    def observe_validation(self, row: dict[str, Any], *, val_reward: float, val_acc: Optional[float]) -> dict[str, Any]:
+        """``row`` with the validation's values; the overfit alarm hears of them."""
         row.update(val_reward_mean=val_reward, val_acc=val_acc)
         if self.train_rewards_since_val:
             train_reward = sum(self.train_rewards_since_val) / len(self.train_rewards_since_val)
             for message in self.alarms.observe_validation(val_reward=val_reward, train_reward=train_reward):
                 warn(f"ALARM step {row['step']}: {message}")
         self.train_rewards_since_val = []
+        return row
 
     def write(self, row: dict[str, Any]) -> None:
         """The finished row everywhere it goes; at validation a sample completion and the pictures."""

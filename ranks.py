@@ -272,6 +272,8 @@ def _buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
 class WeightFormat(Protocol):
     """How each parameter travels: as ``nbytes(i)`` bytes that ``encode`` writes and ``decode`` reads."""
 
+    names: list[str]  # the parameters, in the order they travel
+
     def nbytes(self, index: int) -> int: ...
     def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor: ...
     def decode(self, index: int, data: torch.Tensor) -> None: ...
@@ -288,10 +290,10 @@ class WeightBroadcast:
     slower on first touch, and one buffer per bucket would be a second copy of the model.
     """
 
-    def __init__(self, weight_format: WeightFormat, count: int, bucket_mb: int, src: int, group: dist.ProcessGroup,
+    def __init__(self, weight_format: WeightFormat, bucket_mb: int, src: int, group: dist.ProcessGroup,
                  device: torch.device) -> None:
         self.format, self.src, self.group, self.device = weight_format, src, group, device
-        self.sizes = [weight_format.nbytes(i) for i in range(count)]
+        self.sizes = [weight_format.nbytes(i) for i in range(len(weight_format.names))]
         self.plan = _buckets(self.sizes, bucket_mb * 2**20)
         self.buffer = torch.empty(max(sum(self.sizes[i] for i in bucket) for bucket in self.plan),
                                   dtype=torch.uint8, device=device)

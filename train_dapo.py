@@ -25,15 +25,14 @@ import dapo_loss
 import dry_run
 import memory_plan
 import stopping
-from config import Config, Derived, Schedule, UserError, load_config, warnings_for
+from config import Config, Derived, Schedule, UserError, load_config, split_inspection, warnings_for
 from data_prep import load_run_inputs
 from device import Platform, seed_everything, select_platform, write_env_report
 from learner import Learner, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum, at_step,
                    broadcast_samples, finish_together, init_world, leave_world, phase)
-from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, check_rollout_inputs,
-                     load_rollout_model)
+from rollout import DynamicSampler, Generated, Rollout, RolloutWeights, check_rollout_inputs, load_rollout_model
 from samples import SampleBatch
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
@@ -43,16 +42,15 @@ class Trainer:
     """DAPO on one process (both roles) or on a rank of a torchrun job (one role).
 
     Override points (article 4.1): ``compute_advantages(batch) -> Tensor[N]``, one advantage per
-    response (default: DAPO's group-relative advantage, normalised within each prompt's group);
-    ``update_policy(batch, advantages) -> dict``, one training step on the step's samples,
-    returning metrics for metrics.csv (keys among metrics.COLUMNS).
+    response (default: DAPO's, group-relative); ``update_policy(batch, advantages) -> dict``, one
+    training step on the step's samples, returning metrics.csv values (keys of metrics.COLUMNS).
 
     The choreography, with s = max_staleness and v_k the weights after k updates: the lead
     learner collects step j's samples, which rollout generated with v_max(0, j-1-s), sends v_(j-1)
     (after collecting when s = 1, so rollout generates step j+1 while step j trains; before
-    collecting when s = 0), then the learners train step j. With one process the same order runs
-    with local hand-offs, so staleness means the same. Checkpoint v is written right after v goes
-    to the rollout side, so every sample generated but not yet trained on is on the lead.
+    collecting when s = 0), then the learners train step j; one process runs the same order with
+    local hand-offs. Checkpoint v is written right after v goes to the rollout side, so every
+    sample generated but not yet trained on is on the lead.
     """
 
     def __init__(self, cfg: Config, plat: Platform, derived: Derived, layout: Optional[Layout] = None,
@@ -74,10 +72,10 @@ class Trainer:
                 load_rollout_model(Path(cfg.model.model_path), cfg.model.rollout_dtype, plat.device)
             self.rollout = Rollout(cfg, plat, layout, model, self.tokenizer, self.train_set, self.val_set)
         if not self.single and (lead or not layout.is_learner):
-            weights_format = RolloutWeights(self.learner.policy.config, cfg.model.rollout_dtype) if lead \
+            form = RolloutWeights(self.learner.policy.config, cfg.model.rollout_dtype) if lead \
                 else self.rollout.weights
-            self.weights = WeightBroadcast(weights_format, len(weights_format.names), cfg.run.weight_sync_bucket_mb,
-                                           src=layout.lead_learner, group=groups.sync, device=plat.device)
+            self.weights = WeightBroadcast(form, cfg.run.weight_sync_bucket_mb, src=layout.lead_learner,
+                                           group=groups.sync, device=plat.device)
             self.samples = SampleChannel(layout, groups, plat.device, cfg.rollout.sample_num)
         self.sampler, self.report = None, None  # the lead's
         if lead:
@@ -144,9 +142,7 @@ class Trainer:
         """A learner's whole run; the lead also collects samples, hands off weights and writes metrics."""
         run, lead, stale = self.cfg.run, self.layout.is_lead, self.cfg.run.max_staleness
         if lead and self.schedule.resumed_from == 0 and self.schedule.validates(0):
-            row: dict[str, Any] = {"step": 0}
-            self.record_validation(row)
-            self.report.write(row)
+            self.report.write(self.record_validation({"step": 0}))
         last_end = time.perf_counter()
         for step in range(self.schedule.resumed_from + 1, run.max_steps + 1):
             at_step(step)
@@ -216,14 +212,14 @@ class Trainer:
         if self.schedule.saves(version):
             self.checkpoints.save_learner_shard(version, export=self.schedule.exports(version))
 
-    def record_validation(self, row: dict[str, Any]) -> None:
+    def record_validation(self, row: dict[str, Any]) -> dict[str, Any]:
         if self.single:
             reward_sum, correct, count = self.rollout.validation_sums()
         else:
             with phase("validation"):
                 reward_sum, correct, count = all_reduce_sum([0.0, 0.0, 0.0], self.groups.sync, self.plat.device)
-        self.report.observe_validation(row, val_reward=reward_sum / count,
-                                       val_acc=correct / count if not self.cfg.model.reward_model else None)
+        return self.report.observe_validation(row, val_reward=reward_sum / count,
+                                              val_acc=correct / count if not self.cfg.model.reward_model else None)
 
     def finish(self) -> None:
         """Hand off the last weights (and checkpoint them) and wait until every file is on disk."""
@@ -246,10 +242,9 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     """The run; ``trainer_class`` is a user's subclass of :class:`Trainer` (README.md)."""
     groups = None
     try:
-        argv, plan_ranks = memory_plan.split_plan_request(argv)
-        argv, dry_ranks = dry_run.split_dry_run_request(argv)
+        argv, inspection, inspected_ranks = split_inspection(argv)  # --plan / --dry_run [WORLD_SIZE]
         cfg = load_config(argv)
-        world_size = plan_ranks or dry_ranks or int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = inspected_ranks or int(os.environ.get("WORLD_SIZE", "1"))
         derived = Derived.of(cfg, world_size)
         layout = Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                         num_learners=derived.num_learner_ranks)
@@ -257,9 +252,11 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         check_rollout_inputs(cfg)  # before any model loads and before output_dir is written
         check_report_to(cfg.run.report_to)
-        if dry_ranks or memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
-                                          plan_only=plan_ranks is not None, lead=lead):
-            return dry_run.run(cfg, derived) if dry_ranks else 0
+        if inspection == "dry_run":
+            return dry_run.run(cfg, derived)
+        if memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
+                             plan_only=inspection == "plan", lead=lead):
+            return 0
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
         for message in warnings_for(cfg) if lead else []:

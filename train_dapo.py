@@ -24,6 +24,7 @@ import ckpt
 import dapo_loss
 import dry_run
 import memory_plan
+import resuming
 import stopping
 from config import Config, Derived, Schedule, UserError, load_config, split_inspection, warnings_for
 from data_prep import load_run_inputs
@@ -60,9 +61,9 @@ class Trainer:
         self.single, lead = layout.world_size == 1, layout.is_lead
         self.out_dir = Path(cfg.run.output_dir)
         self.tokenizer, self.train_set, self.val_set = load_run_inputs(cfg, warn if lead else quiet)
-        self.fingerprint = ckpt.run_fingerprint(cfg, self.tokenizer, self.train_set.prompt_ids, layout.world_size,
-                                                layout.num_learners)
-        saved = ckpt.check_resumable(resume, self.fingerprint, cfg.flat(), warn if lead else quiet) if resume else None
+        self.fingerprint = resuming.run_fingerprint(cfg, self.tokenizer, self.train_set.prompt_ids,
+                                                    layout.world_size, layout.num_learners)
+        saved = resume and resuming.check_resumable(resume, self.fingerprint, cfg.flat(), warn if lead else quiet)
         self.step, self.first_generation_step = 0, 1
         self.schedule = Schedule(cfg.run, has_val_set=self.val_set is not None)
         self.learner = Learner(cfg, plat, derived, layout, groups, resume) if layout.is_learner else None
@@ -197,8 +198,7 @@ class Trainer:
         with phase("weight sync"):
             send = self.rollout.load_weights if self.single else self.weights.send
             send(self.learner.full_weights(), version)
-        row = self.pending_rows.pop(version, {"step": version})
-        row["sync_time_s"] = time.perf_counter() - start
+        row = {**self.pending_rows.pop(version, {"step": version}), "sync_time_s": time.perf_counter() - start}
         if self.schedule.validates(version):
             self.record_validation(row)
         self.report.write(row)
@@ -262,11 +262,11 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         for message in warnings_for(cfg) if lead else []:
             warn(message)  # "no val_dataset" among them
         out = Path(cfg.run.output_dir)
-        resume = ckpt.find_resume_checkpoint(
+        resume = resuming.find_resume_checkpoint(
             out, cfg.run.resume_from_checkpoint, restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
             warn=warn if lead else quiet, log=log if lead else quiet)
-        ckpt.prepare_output_dir(out, overwrite=cfg.run.overwrite_output_dir, create=lead,
-                                resuming=cfg.run.resume_from_checkpoint is not None or resume is not None)
+        resuming.prepare_output_dir(out, overwrite=cfg.run.overwrite_output_dir, create=lead,
+                                    resuming=cfg.run.resume_from_checkpoint is not None or resume is not None)
         role = "rollout+learner" if world_size == 1 else layout.role + " (lead)" * lead
         log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} backend={plat.backend}")
         stopping.watch(layout, out)  # Ctrl-C and SIGTERM end the run with one line from here on

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckpt
+import resuming
 import memory_plan
 import train_dapo
 from config import Derived, load_config
@@ -274,7 +275,7 @@ def test_a_restarted_job_prefers_its_own_newest_checkpoint(demo_argv, tmp_path):
     cfg = load_config(demo_argv + ["--output_dir", str(out), "--resume_from_checkpoint",
                                    str(other_run / ckpt.step_dir_name(7))])
     def resume_folder(cfg, restarted: bool):
-        return ckpt.find_resume_checkpoint(Path(cfg.run.output_dir), cfg.run.resume_from_checkpoint,
+        return resuming.find_resume_checkpoint(Path(cfg.run.output_dir), cfg.run.resume_from_checkpoint,
                                            restarted=restarted, warn=print, log=print)
 
     assert resume_folder(cfg, restarted=False) == other_run / ckpt.step_dir_name(7)

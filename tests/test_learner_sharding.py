@@ -74,7 +74,8 @@ sys.exit(train_dapo.main(sys.argv[1:], trainer_class=Census))
 
 def args(script: Path, demo_assets: Path, model: Path, out: Path, offload: str) -> list[str]:
     return [str(script), "--config", "configs/demo_cpu.yaml", "--model_path", str(model),
-            "--dataset", str(demo_assets / "train.jsonl"), "--output_dir", str(out), "--max_steps", "2",
+            "--dataset", str(demo_assets / "train.jsonl"), "--val_dataset", str(demo_assets / "val.jsonl"),
+            "--output_dir", str(out), "--max_steps", "2",
             "--val_every", "0", "--save_every", "1", "--hf_export_every", "0", "--hf_export_file_mb", "8",
             "--weight_sync_bucket_mb", "8", "--gradient_accumulation_steps", "3", "--learner_ranks", "2",
             "--dist_timeout_s", "120", "--dynamic_sampling", "false", "--learner_offload", offload]

@@ -1,0 +1,121 @@
+"""Whether a run may continue from a checkpoint, and from which: the fingerprints a checkpoint
+must share with the run that resumes it (model, tokenizer, rank layout, data), the settings that
+may change in between, the output folder's state, and the step folder a run continues from.
+What a checkpoint holds and how it is written and read is ckpt.py's business.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ckpt import (LEARNER_STATE, CheckpointError, complete_steps, find_checkpoint, incomplete_steps, read_json,
+                  remove_partial_saves)
+from config import UserError
+
+_MODEL_CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
+
+
+def model_fingerprint(model_path: Path) -> dict[str, Any]:
+    """The architecture as its config.json states it, minus fields that do not change the model."""
+    config = json.loads((model_path / "config.json").read_text())
+    return {k: v for k, v in sorted(config.items()) if k not in _MODEL_CONFIG_NOISE}
+
+
+def digest(value: Any) -> str:
+    """A short hash of anything JSON can write: equal values, equal digests."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def run_fingerprint(cfg: Any, tokenizer: Any, train_prompts: list[list[int]], world_size: int,
+                    num_learners: int) -> dict[str, Any]:
+    """What a checkpoint must share with the run that resumes it: the model, the tokenizer, the
+    rank layout, and what its saved data position and sample buffer mean (the same prompts,
+    batched the same way)."""
+    return {
+        "model": model_fingerprint(Path(cfg.model.model_path)), "tokenizer": tokenizer_fingerprint(tokenizer),
+        "layout": {"world_size": world_size, "learner_ranks": num_learners},
+        "data": {"train_prompts": digest(train_prompts), "prompts_per_step": cfg.rollout.prompts_per_step,
+                 "sample_num": cfg.rollout.sample_num, "bucket_size": cfg.data.bucket_size, "seed": cfg.run.seed},
+    }
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+    return {"vocab_size": len(tokenizer), "vocab": digest(sorted(tokenizer.get_vocab().items())),
+            "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+            "chat_template": digest(getattr(tokenizer, "chat_template", None) or "")}
+
+
+def first_difference(saved: dict[str, Any], current: dict[str, Any]) -> Optional[str]:
+    """'KEY: SAVED (checkpoint) vs CURRENT (this run)' for the first differing key, or None."""
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            return f"{key}: {saved.get(key)!r} (checkpoint) vs {current.get(key)!r} (this run)"
+    return None
+
+
+# Settings that may change between a checkpoint and its resume without changing the results.
+RESUMABLE_CHANGES = ("max_steps", "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "log_every",
+                     "device_memory_gb", "log_completions", "report_to", "save_every", "keep_last", "dist_timeout_s",
+                     "hf_export_every", "hf_export_file_mb")
+
+
+def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str, Any],
+                    warn: Callable[[str], None]) -> dict[str, Any]:
+    """The checkpoint's trainer state, if it was written by this model, tokenizer, layout and data;
+    ``warn`` hears of other changed settings (the run would not match an uninterrupted one)."""
+    if not (folder / LEARNER_STATE).is_dir():
+        raise UserError(f"checkpoint {folder} has no {LEARNER_STATE}/: it was written by an older version of this "
+                        f"trainer, which cannot resume it (its model/ folder opens with from_pretrained)")
+    saved = read_json(folder / "trainer_state.json")
+    for what in ("model", "tokenizer", "layout", "data"):
+        difference = first_difference(saved["fingerprint"][what], fingerprint[what])
+        if difference:
+            raise UserError(f"checkpoint {folder} does not match this run's {what}: {difference}")
+    changed = sorted(k for k, v in config.items() if k not in RESUMABLE_CHANGES and saved["config"].get(k, v) != v)
+    if changed:
+        warn(f"resuming with changed settings ({', '.join(changed)}): the run will not match an uninterrupted one")
+    return saved
+
+
+def prepare_output_dir(output_dir: Path, *, overwrite: bool, resuming: bool, create: bool) -> None:
+    """Refuse to overwrite checkpoints (every rank checks; only ``create`` changes anything)."""
+    root = output_dir / "checkpoints"
+    if (complete_steps(root) or incomplete_steps(root)) and not overwrite and not resuming:
+        raise UserError(f"output_dir {output_dir} already holds checkpoints; pass --resume_from_checkpoint auto to "
+                        f"continue or --overwrite_output_dir true to start over")
+    if not create:
+        return
+    if overwrite and not resuming:
+        for stale in (root, output_dir / "metrics.csv"):
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            elif stale.exists():
+                stale.unlink()
+    remove_partial_saves(root)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def find_resume_checkpoint(output_dir: Path, requested: Optional[str], *, restarted: bool,
+                           warn: Callable[[str], None], log: Callable[[str], None]) -> Optional[Path]:
+    """The step folder to continue from, or None for a fresh start.
+
+    After torchrun restarts a crashed job (``restarted``) the run continues from its own newest
+    checkpoint by itself, whatever it was told; until it has one, from what it was told (a PATH
+    into another run, say).
+    """
+    specs = (["auto"] if restarted else []) + ([requested] if requested else [])
+    root = output_dir / "checkpoints"
+    for spec in dict.fromkeys(specs):  # in order, without repeats
+        try:
+            folder = find_checkpoint(root, spec, warn)
+        except CheckpointError as error:
+            raise UserError(str(error)) from None
+        if folder is not None:
+            log(f"resuming from {folder}")
+            return folder
+    if specs:
+        log(f"no complete checkpoint in {root}: starting fresh")
+    return None

@@ -174,6 +174,11 @@ def advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
     if memory is not None and cfg.model.rollout_dtype == "fp8" and bf16_rollout > memory:
         notes.append(f"rollout_dtype fp8 is needed: with bf16 weights a rollout rank would need "
                      f"{bf16_rollout / GIB:.1f} GiB")
+    host = plan["learner_rank"]["host"]
+    without_offload = host["params"] + host["grads"] + host["optimizer"] + max(learner["activations"],
+                                                                               host["optimizer_step"])
+    if memory is not None and cfg.model.learner_offload and without_offload > memory:
+        notes.append(f"learner_offload is needed: without it a learner rank would need {without_offload / GIB:.1f} GiB")
     if memory is not None and rollout["total"] > memory:
         if cfg.model.rollout_dtype != "fp8":
             notes.append(f"rollout_dtype: fp8 would bring the rollout weights from {rollout['weights'] / GIB:.1f} GiB "

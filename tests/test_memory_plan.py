@@ -96,6 +96,7 @@ def test_the_30b_plan_prints_fast_fits_with_its_settings_and_matches_a_hand_coun
     assert host["params"] + host["grads"] + host["optimizer"] == pytest.approx(params * 18 / 2, rel=1e-6)
     assert plan["fits"] is True and "device memory:     64.00 GiB: fits" in proc.stdout
     assert "rollout_dtype fp8 is needed: with bf16 weights" in proc.stdout  # 81 GiB a rank with bf16 weights
+    assert "learner_offload is needed: without it a learner rank would need 312.8 GiB" in proc.stdout
 
 
 def test_without_offload_the_30b_plan_says_the_learners_need_it(tmp_path):

@@ -109,3 +109,26 @@ def test_train_dapo_exits_2_with_one_line(argv, line):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [line]
+
+
+def test_checkpoints_and_exports_follow_their_own_periods():
+    from dataclasses import replace
+
+    from config import Schedule
+
+    cfg = load_config(["--max_steps", "10", "--save_every", "2", "--hf_export_every", "4"])
+    schedule = Schedule(cfg.run, has_val_set=False)
+    assert [v for v in range(11) if schedule.saves(v)] == [2, 4, 6, 8, 10]
+    assert [v for v in range(11) if schedule.exports(v)] == [4, 8, 10]  # and the last, always
+    default = Schedule(load_config(["--max_steps", "10", "--save_every", "3"]).run, has_val_set=False)
+    assert [v for v in range(11) if default.exports(v)] == [10]  # hf_export_every 0: the last step only
+    resumed = replace(schedule, resumed_from=8)
+    assert [v for v in range(11) if resumed.exports(v)] == [10]  # a resumed run has its first one already
+    assert not any(Schedule(replace(cfg.run, save_every=0), has_val_set=False).exports(v) for v in range(11))
+
+
+def test_offload_needs_a_torchrun_job():
+    cfg = load_config(["--learner_offload", "true"])
+    with pytest.raises(ConfigError, match="learner_offload needs a torchrun job"):
+        Derived.of(cfg, 1)
+    assert Derived.of(cfg, 8).num_learner_ranks == 2

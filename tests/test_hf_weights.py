@@ -69,6 +69,9 @@ def test_an_export_written_by_two_writers_is_the_model_in_the_files_layout(demo_
     assert not info["missing_keys"] and not info["unexpected_keys"]
     for name, param in exported.named_parameters():
         assert torch.equal(param, weights[name]), name
+    files = hf_weights.WeightFiles(out)  # a sharded folder with its index, as large models come
+    for name, tensor in weights.items():
+        assert torch.equal(files.rows(name, tensor.shape, 1, 3), tensor[1:3]), name
 
 
 def test_files_without_a_weight_are_refused_naming_it(demo_assets, tmp_path):

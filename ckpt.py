@@ -37,7 +37,7 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 COMPLETE = "COMPLETE"
 LEARNER_STATE = "learner_state"  # every learner's shard of the weights and optimizer state (DCP)
-HF_CONFIG = "hf_config"  # the model's config and tokenizer: a Hugging Face folder but the weights
+HF_CONFIG = "hf_config"  # config, generation config and tokenizer: a Hugging Face folder but the weights
 HF_MODEL = "model"  # the Hugging Face export, when the step has one
 
 
@@ -447,6 +447,9 @@ class Checkpointer:
             # The config and tokenizer first: every learner's export reads the dtype from them.
             learner.policy.config.save_pretrained(folder / HF_CONFIG)
             self.tokenizer.save_pretrained(folder / HF_CONFIG)
+            sampling_defaults = Path(self.cfg.model.model_path) / "generation_config.json"
+            if sampling_defaults.is_file():  # what generate() of the exported model starts from
+                shutil.copyfile(sampling_defaults, folder / HF_CONFIG / sampling_defaults.name)
             learner.write_checkpoint_part(folder, staged, export)
             write_tensors(folder / "sample_buffer.safetensors", buffers)
             for name, text in texts.items():

@@ -141,6 +141,7 @@ def test_the_export_is_written_from_the_shards_and_the_command_writes_the_same(r
                            "--max_file_mb", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in exported.iterdir())
+    assert (exported / "generation_config.json").is_file()  # the base model's sampling defaults travel along
     for name in files + ["model.safetensors.index.json", "config.json"]:
         assert (again / name).read_bytes() == (exported / name).read_bytes(), name
     first = tmp_path / "first"

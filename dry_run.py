@@ -61,7 +61,7 @@ def run(cfg: Config, derived: Derived) -> int:
     memory = int(cfg.run.device_memory_gb * GIB) if cfg.run.device_memory_gb else None
     plan = make_plan(cfg, derived, model_config, memory, with_reference=uses_reference_model(cfg))
     start = time.perf_counter()
-    measured: dict[str, Any] = {"rollout_rank.weights": rollout_weight_bytes(model_config, cfg.model.rollout_dtype)}
+    measured: dict[str, Any] = {"rollout_rank.weights": rollout_weight_bytes(path, cfg.model.rollout_dtype)}
     learner = measure_learner(cfg, derived)
     for where in ("device", "host"):
         measured.update({f"learner_rank.{where}.{k}": v for k, v in learner.get(where, {}).items()})
@@ -82,17 +82,12 @@ def planned_items(plan: dict[str, Any]) -> dict[str, Optional[int]]:
     return items
 
 
-def rollout_weight_bytes(model_config: Any, rollout_dtype: str) -> int:
-    """Bytes of the rollout copy as rollout ranks build it (FP8 conversion included), on meta."""
-    from transformers import AutoModelForCausalLM
+def rollout_weight_bytes(path: Path, rollout_dtype: str) -> int:
+    """Bytes of the rollout copy as rollout ranks build it (rollout.build_rollout_model), on meta."""
+    from fp8 import weight_bytes
+    from rollout import build_rollout_model
 
-    from device import ROLLOUT_COMPUTE_DTYPES
-    from fp8 import convert_to_fp8, weight_bytes
-
-    dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    return weight_bytes(convert_to_fp8(model, dtype) if rollout_dtype == "fp8" else model.to(dtype))
+    return weight_bytes(build_rollout_model(path, rollout_dtype, "meta"))
 
 
 def measure_learner(cfg: Config, derived: Derived) -> dict[str, Any]:
@@ -210,19 +205,17 @@ def trace_learner(cfg: Config, derived: Derived) -> dict[str, Any]:
 def build_learner_model(cfg: Config, mesh: Any, device: str, *, trainable: bool) -> torch.nn.Module:
     """The policy (or the KL reference) as the Learner builds it (learner.build_model), with fake
     storage and the stand-in attention kernel."""
-    from learner import build_model
+    from learner import build_model, prepare_policy, reference_dtype
 
     model_cfg = cfg.model
-    # As Learner.__init__: the frozen reference needs no fp32 master copy where FSDP2 computes in bf16.
-    dtype = torch.float32 if trainable or model_cfg.learner_dtype != "bf16" else torch.bfloat16
+    dtype = torch.float32 if trainable else reference_dtype(cfg, sharded=True)  # the fake group always shards
     model = build_model(Path(model_cfg.model_path), torch.device(device), mesh, learner_dtype=model_cfg.learner_dtype,
                         offload=model_cfg.learner_offload, dtype=dtype)
     model.set_attn_implementation(FUSED_ATTENTION)
-    model.config.use_cache = False
-    if trainable and model_cfg.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
-    return model.train() if trainable else model.eval().requires_grad_(False)
+    if not trainable:
+        return model.eval().requires_grad_(False)
+    prepare_policy(model, cfg)
+    return model.train()
 
 
 def forward_backward(model: torch.nn.Module, cfg: Config, device: str) -> None:

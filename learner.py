@@ -90,6 +90,21 @@ def fill_from_files(model: torch.nn.Module, path: Path) -> None:
         local.copy_(files.rows(name, param.shape, start, start + local.shape[0]))
 
 
+def prepare_policy(model: torch.nn.Module, cfg: Config) -> None:
+    """The policy for training: no KV cache, activation checkpointing when configured."""
+    model.config.use_cache = False
+    if cfg.model.gradient_checkpointing:
+        # transformers renamed the switch; take whichever this version has.
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+
+
+def reference_dtype(cfg: Config, sharded: bool) -> torch.dtype:
+    """The frozen KL reference needs no fp32 master copy where FSDP2 computes in bf16: bf16
+    weights give that compute bit for bit, in half the bytes."""
+    return torch.bfloat16 if sharded and cfg.model.learner_dtype == "bf16" else torch.float32
+
+
 def uses_reference_model(cfg: Config) -> bool:
     """Whether any step has a KL term, so the base model must be kept as the KL reference."""
     return cfg.algo.kl_coef > 0 or (cfg.algo.kl_coef_init is not None and cfg.algo.kl_warmup_steps > 0
@@ -118,18 +133,11 @@ class Learner:
         # Sharded over the learners (also one learner of a torchrun job that offloads): FSDP2.
         self.sharded = groups is not None and (layout.num_learners > 1 or cfg.model.learner_offload)
         self.policy = self._build(resume)
-        self.policy.config.use_cache = False
-        if cfg.model.gradient_checkpointing:
-            # transformers renamed the switch; take whichever this version has.
-            enable = getattr(self.policy, "activation_checkpointing_enable", None) or \
-                self.policy.gradient_checkpointing_enable
-            enable()
-        # The policy continues from the checkpoint's weights; the KL reference stays the base model,
-        # frozen, so it needs no fp32 master copy: FSDP2 computes in bf16 from either alike.
+        prepare_policy(self.policy, cfg)
+        # The policy continues from the checkpoint's weights; the KL reference stays the base model.
         self.ref_model = None
         if uses_reference_model(cfg):
-            ref_dtype = torch.bfloat16 if self.sharded and cfg.model.learner_dtype == "bf16" else torch.float32
-            self.ref_model = self._build(None, ref_dtype).eval().requires_grad_(False)
+            self.ref_model = self._build(None, reference_dtype(cfg, self.sharded)).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate,
                                            betas=(0.9, 0.999), weight_decay=cfg.optim.weight_decay)
         self.optimizer_steps = 0
@@ -154,10 +162,10 @@ class Learner:
         model = build_model(Path(self.cfg.model.model_path), self.plat.device, mesh,
                             learner_dtype=self.cfg.model.learner_dtype, offload=self.cfg.model.learner_offload,
                             dtype=dtype)
-        with phase("checkpoint load"):
-            if resume is None:
-                fill_from_files(model, Path(self.cfg.model.model_path))
-            else:
+        if resume is None:
+            fill_from_files(model, Path(self.cfg.model.model_path))
+        else:
+            with phase("checkpoint load"):
                 ckpt.load_learner_weights(resume / ckpt.LEARNER_STATE, model, self.learner_group())
         return model
 

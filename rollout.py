@@ -533,13 +533,19 @@ class RolloutWeights:
             target.copy_(data[:shape.numel() * self.dtype.itemsize].view(self.dtype).view(shape))
 
 
+def build_rollout_model(path: Path, rollout_dtype: str, device: Any) -> torch.nn.Module:
+    """The rollout copy's architecture (FP8-converted for fp8 rollout) with storage on ``device``
+    and no weights yet."""
+    dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+    to_fp8 = (lambda model: convert_to_fp8(model, dtype)) if rollout_dtype == "fp8" else None
+    return empty_model(path, device, dtype, to_fp8)
+
+
 def load_rollout_model(path: Path, rollout_dtype: str, device: torch.device) -> torch.nn.Module:
     """A rollout rank's copy of the policy, read from the files one parameter at a time and
     converted as weight sync converts what it sends (FP8: quantized on the host): neither the
     host nor the device ever holds the model in full precision."""
-    dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
-    to_fp8 = (lambda model: convert_to_fp8(model, dtype)) if rollout_dtype == "fp8" else None
-    model = empty_model(path, device, dtype, to_fp8)
+    model = build_rollout_model(path, rollout_dtype, device)
     weights = RolloutWeights(model.config, rollout_dtype)
     weights.bind(model)
     files = WeightFiles(path)

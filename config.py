@@ -35,6 +35,7 @@ class ModelConfig:
     reward_model: Optional[str] = None  # a sequence-classification model; when set it replaces reward_fn
     reward_fn: str = "math_answer"  # built-in rule name or "module:function"
     rollout_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
+    rollout_engine: Literal["builtin", "vllm"] = "builtin"  # what generates: our decode loop or vLLM (engine.py)
     learner_dtype: Literal["fp32", "bf16"] = "bf16"
     gradient_checkpointing: bool = False
     learner_offload: bool = False  # FSDP2 keeps parameters, gradients and AdamW state in host memory

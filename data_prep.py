@@ -378,10 +378,12 @@ def generate_responses(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *,
                        batch_size: int = 64) -> list[tuple[list[int], bool]]:
     """Per prompt: (response token ids before the first stop token, whether a stop token came).
 
-    Uses the trainer's own generation engine (rollout.generate); sampling draws from the global
+    Uses the trainer's own decode loop (engine_builtin.generate); sampling draws from the global
     torch RNG, so seed it first for repeatable samples.
     """
-    from rollout import Sampling, generate, left_pad
+    from engine import Sampling
+    from engine_builtin import generate
+    from rollout import left_pad
 
     stop_ids = _stop_ids(model, tokenizer)
     results: list[tuple[list[int], bool]] = []

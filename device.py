@@ -143,13 +143,18 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> to
     return torch.nn.functional.linear(x, weight)
 
 
-def step_generator(seed: int, *keys: int, device: torch.device = torch.device("cpu")) -> torch.Generator:
-    """A generator on ``device`` (where the tensors it draws for live) that depends only on
-    (seed, keys): the same draws on every run and resume on that kind of device."""
+def mix_seed(seed: int, *keys: int) -> int:
+    """One 63-bit seed from the run's seed and integer keys (step, batch, ...)."""
     mixed = seed
     for key in keys:
         mixed = (mixed * 1_000_003 + key + 1) % (2**63 - 1)
-    return torch.Generator(device=device).manual_seed(mixed)
+    return mixed
+
+
+def step_generator(seed: int, *keys: int, device: torch.device = torch.device("cpu")) -> torch.Generator:
+    """A generator on ``device`` (where the tensors it draws for live) that depends only on
+    (seed, keys): the same draws on every run and resume on that kind of device."""
+    return torch.Generator(device=device).manual_seed(mix_seed(seed, *keys))
 
 
 def seed_everything(seed: int) -> None:

@@ -1,16 +1,14 @@
-"""The rollout side: batched generation with the KV cache, reward scoring, the prompt stream,
-validation, taking new weights, and DAPO dynamic sampling (on the lead learner, over every
-rollout rank's samples).
+"""The rollout side: generation through the rollout engine (engine.py), reward scoring, the
+prompt stream, validation, taking new weights, and DAPO dynamic sampling (on the lead learner,
+over every rollout rank's samples).
 
-Everything random here draws from an explicit ``torch.Generator`` seeded from (seed, step,
-batch), never from the global RNG, so the samples of a step depend only on the weights and the
-prompts: that is what makes runs repeatable and resume exact.
+Everything random in generation draws from seeds derived from (seed, step, batch, ...)
+(engine.Seeds), never from the global RNG, so the samples of a step depend only on the weights
+and the prompts: that is what makes runs repeatable and resume exact.
 """
 from __future__ import annotations
 
-import inspect
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,59 +20,13 @@ import ckpt
 import dapo_loss
 from buckets import bucket_bound, bucketed_batches
 from config import Config, RolloutConfig, UserError
-from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
+from device import ROLLOUT_COMPUTE_DTYPES, Platform
+from engine import RolloutEngine, Sampling, Seeds
 from fp8 import FP8, convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
 from hf_weights import WeightFiles, empty_model
 from ranks import Layout, WeightBroadcast, phase
 from rewards import Scored
 from samples import SampleBatch
-
-try:  # a progress bar is a nicety, not a dependency of the math
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover
-    tqdm = None
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is drawn: from softmax(logits / temperature) cut to the top_p nucleus,
-    or the most likely one (greedy; the recorded log-probs still use the temperature)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    greedy: bool = False
-
-
-@dataclass(frozen=True)
-class Generation:
-    response_ids: torch.Tensor  # [N, R]
-    response_mask: torch.Tensor  # [N, R] bool, stop token included
-    logp: torch.Tensor  # [N, R] float32
-    truncated: torch.Tensor  # [N] bool
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    # transformers 5 renamed past_key_values to cache; accept either generation of the API.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Mask out the tail of the distribution beyond cumulative probability top_p (nucleus)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def _choose_token(logits: torch.Tensor, *, greedy: bool, top_p: float,
-                  generator: Optional[torch.Generator]) -> torch.Tensor:
-    if greedy:
-        return logits.argmax(-1)
-    probs = _top_p_filter(logits, top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,58 +37,6 @@ def left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int) -> tup
             ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
             mask[row, width - len(seq):] = True
     return ids, mask
-
-
-@torch.no_grad()
-def generate(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    stop_ids: Sequence[int],
-    pad_id: int,
-    sampling: Sampling = Sampling(),
-    generator: Optional[torch.Generator] = None,
-    progress: bool = False,
-) -> Generation:
-    """Sample up to ``max_new_tokens`` per row with the KV cache; a row ends at its first stop id.
-
-    ``prompt_ids`` are left-padded so every row's next token sits in the last column.
-    """
-    device = prompt_ids.device
-    n = prompt_ids.shape[0]
-    attention = prompt_mask.long()
-    stop = torch.tensor(sorted(set(stop_ids)), device=device)
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
-    tokens, logps, masks = [], [], []
-    cache_key = _cache_kwarg(model)
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    next_input = prompt_ids
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    steps = range(max_new_tokens)
-    if progress and tqdm is not None and sys.stderr.isatty():
-        steps = tqdm(steps, desc="generating", leave=False, file=sys.stderr)
-    for _ in steps:
-        out = model(input_ids=next_input, attention_mask=attention, position_ids=positions,
-                    use_cache=True, logits_to_keep=1, **{cache_key: cache})
-        logits = out.logits[:, -1, :].float() / sampling.temperature
-        logp_all = logits.log_softmax(-1)
-        token = _choose_token(logits, greedy=sampling.greedy, top_p=sampling.top_p, generator=generator)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        tokens.append(token)
-        logps.append(logp_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0))
-        masks.append(~finished)
-        finished = finished | torch.isin(token, stop)
-        if bool(finished.all()):
-            break
-        next_input = token[:, None]
-        attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=-1)
-        positions = positions[:, -1:] + 1
-    return Generation(response_ids=torch.stack(tokens, dim=1), response_mask=torch.stack(masks, dim=1),
-                      logp=torch.stack(logps, dim=1), truncated=~finished)
 
 
 @dataclass(frozen=True)
@@ -215,16 +115,56 @@ def check_rollout_inputs(cfg: Config) -> None:
                             f"{cfg.model.model_path} ({vocab_size} ids, 0 to {vocab_size - 1})")
 
 
-class RolloutWorker:
-    """Turns prompt rows into scored, group-contiguous samples with the rollout copy of the policy."""
+def stop_ids(cfg: Config, tokenizer) -> list[int]:
+    """The tokens a response ends at: the tokenizer's EOS and ``eos_token_ids``."""
+    return sorted({tokenizer.eos_token_id, *cfg.model.eos_token_ids})
 
-    def __init__(self, model: torch.nn.Module, tokenizer, reward: RewardSource, *, device: torch.device,
-                 stop_ids: Sequence[int], max_response_length: int, sampling: Sampling,
-                 overlong_buffer_len: int, overlong_penalty_factor: float, bucket_size: int) -> None:
-        self.model = model
+
+def check_engine(cfg: Config, plat: Platform) -> None:
+    """Refuse (UserError) a rollout engine this machine cannot run, before anything is written."""
+    if cfg.model.rollout_engine == "vllm":
+        import engine_vllm
+
+        engine_vllm.check_available(cfg, plat.kind)
+
+
+def wire_dtype(cfg: Config) -> str:
+    """The form weights travel in to this run's engine (RolloutWeights' rollout_dtype)."""
+    if cfg.model.rollout_engine == "vllm":
+        import engine_vllm
+
+        return engine_vllm.wire_dtype(cfg.model.rollout_dtype)
+    return cfg.model.rollout_dtype
+
+
+def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
+                 rollout_copy: Callable[[], torch.nn.Module]) -> RolloutEngine:
+    """This rank's rollout engine. ``rollout_copy()`` builds the built-in engine's model: the
+    learner's copy in one process, else read from model_path (load_rollout_model)."""
+    settings = dict(stop_ids=stop_ids(cfg, tokenizer), pad_id=tokenizer.pad_token_id,
+                    max_new_tokens=cfg.rollout.max_response_length)
+    if cfg.model.rollout_engine == "vllm":
+        from transformers import AutoConfig
+
+        from engine_vllm import VllmEngine
+
+        model_config = AutoConfig.from_pretrained(cfg.model.model_path, local_files_only=True)
+        return VllmEngine(cfg, plat, layout, RolloutWeights(model_config, wire_dtype(cfg)), **settings)
+    from engine_builtin import BuiltinEngine
+
+    model = rollout_copy()
+    return BuiltinEngine(model, RolloutWeights(model.config, cfg.model.rollout_dtype), device=plat.device, **settings)
+
+
+class RolloutWorker:
+    """Turns prompt rows into scored, group-contiguous samples through the rollout engine."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, reward: RewardSource, *, stop_ids: Sequence[int],
+                 max_response_length: int, sampling: Sampling, overlong_buffer_len: int,
+                 overlong_penalty_factor: float, bucket_size: int) -> None:
+        self.engine = engine
         self.tokenizer = tokenizer
         self.reward = reward
-        self.device = device
         self.stop_ids = list(stop_ids)
         self.pad_id = tokenizer.pad_token_id
         self.max_response_length = max_response_length
@@ -235,8 +175,7 @@ class RolloutWorker:
 
     def rollout(self, prompt_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str],
                 answers: Sequence[Optional[str]], prompt_index: Sequence[int], *, group_size: int,
-                version: int, generator: Optional[torch.Generator],
-                sampling: Optional[Sampling] = None) -> tuple[SampleBatch, Scored]:
+                version: int, seeds: Seeds, sampling: Optional[Sampling] = None) -> tuple[SampleBatch, Scored]:
         """Generate ``group_size`` responses for each prompt and score them (``sampling``: the
         worker's own, for training, unless given)."""
         repeat = lambda seq: [item for item in seq for _ in range(group_size)]  # noqa: E731
@@ -245,12 +184,7 @@ class RolloutWorker:
         # shapes (article 3.3: static-shape friendly on NPU).
         width = bucket_bound(max(len(r) for r in rows), self.bucket_size)
         ids, mask = left_pad(rows, width, self.pad_id)
-        gen = generate(
-            self.model, ids.to(self.device), mask.to(self.device),
-            max_new_tokens=self.max_response_length, stop_ids=self.stop_ids, pad_id=self.pad_id,
-            sampling=sampling or self.sampling, generator=generator, progress=True,
-        )
-        gen = Generation(*(t.cpu() for t in (gen.response_ids, gen.response_mask, gen.logp, gen.truncated)))
+        gen = self.engine.generate(ids, mask, sampling=sampling or self.sampling, seeds=seeds)
         texts = self.decode(gen.response_ids, gen.response_mask)
         scored = self.reward.score(repeat(prompt_texts), texts, repeat(answers))
         lengths = gen.response_mask.sum(-1)
@@ -307,15 +241,15 @@ class PromptStream:
 class Rollout:
     """The rollout side of a run: a rollout rank, or the rollout half of a one-process run.
 
-    It holds the rollout copy of the policy and the weight version it carries, generates this
-    rank's share of every generation batch, and validates its share of the val set.
+    It holds the rollout engine (with its copy of the policy) and the weight version it
+    carries, generates this rank's share of every generation batch, and validates its share of
+    the val set.
     """
 
-    def __init__(self, cfg: Config, plat: Platform, layout: Layout, model: torch.nn.Module, tokenizer,
+    def __init__(self, cfg: Config, plat: Platform, layout: Layout, engine: RolloutEngine, tokenizer,
                  train_set, val_set) -> None:
         self.cfg, self.plat, self.train_set, self.val_set = cfg, plat, train_set, val_set
-        self.model = model.eval().requires_grad_(False)
-        self.model.config.use_cache = True
+        self.engine = engine
         single = layout.world_size == 1
         self.shard_index, self.num_shards = (0, 1) if single else (layout.rollout_index, layout.num_rollout)
         # Validation prompts go no more at a time than a training generation batch's sequences,
@@ -323,16 +257,14 @@ class Rollout:
         self.val_batch_size = math.ceil(cfg.rollout.prompts_per_step / self.num_shards) * cfg.rollout.sample_num
         self.weight_version = 0
         self.worker = RolloutWorker(
-            self.model, tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device),
-            device=plat.device, stop_ids=sorted({tokenizer.eos_token_id, *cfg.model.eos_token_ids}),
+            engine, tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device),
+            stop_ids=stop_ids(cfg, tokenizer),
             max_response_length=cfg.rollout.max_response_length,
             sampling=Sampling(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p),
             overlong_buffer_len=cfg.algo.overlong_buffer_len,
             overlong_penalty_factor=cfg.algo.overlong_penalty_factor, bucket_size=cfg.data.bucket_size)
         self.prompts = PromptStream([len(p) for p in train_set.prompt_ids], cfg.rollout.prompts_per_step,
                                     cfg.data.bucket_size, cfg.run.seed)
-        self.weights = RolloutWeights(self.model.config, cfg.model.rollout_dtype)
-        self.weights.bind(self.model)
 
     def generate_shard(self, step: int, gen_index: int) -> tuple[Optional[SampleBatch], int, float]:
         """This rank's share of the next generation batch: (samples or None, malformed count, seconds)."""
@@ -344,7 +276,7 @@ class Rollout:
         batch, scored = self.worker.rollout(
             [data.prompt_ids[r] for r in mine], [data.prompt_texts[r] for r in mine], [data.answers[r] for r in mine],
             mine, group_size=self.cfg.rollout.sample_num, version=self.weight_version,
-            generator=step_generator(self.cfg.run.seed, step, gen_index, self.shard_index, device=self.plat.device))
+            seeds=Seeds.of(self.cfg.run.seed, step, gen_index, self.shard_index, mine, self.cfg.rollout.sample_num))
         self.plat.release_cache()
         return batch, scored.num_malformed, time.perf_counter() - start
 
@@ -364,15 +296,15 @@ class Rollout:
             batch, _ = self.worker.rollout(
                 [val.prompt_ids[r] for r in rows], [val.prompt_texts[r] for r in rows], [val.answers[r] for r in rows],
                 rows, group_size=1, version=self.weight_version, sampling=sampling,
-                generator=step_generator(self.cfg.run.seed, -1, self.weight_version, start, device=self.plat.device))
+                seeds=Seeds.of(self.cfg.run.seed, -1, self.weight_version, start, rows, 1))
             sums = [sums[0] + batch.reward.sum().item(), sums[1] + batch.correct.sum().item(), sums[2] + len(rows)]
         return sums
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[torch.Tensor], version: int) -> None:
-        """One process: the learner's weights into the rollout copy, in the form they would
-        travel between ranks (so one process and several compute the same)."""
-        self.weights.load(tensors, self.plat.device)
+        """One process: the learner's weights into the engine, in the form they would travel
+        between ranks (so one process and several compute the same)."""
+        self.engine.load_weights(tensors)
         self.weight_version = version
 
     def load_checkpoint_weights(self, folder: Path, version: int) -> None:
@@ -380,12 +312,13 @@ class Rollout:
         bucket at a time and converted as the weight sync converts them."""
         bucket_bytes = self.cfg.run.weight_sync_bucket_mb * 2**20
         with phase("checkpoint load"):
-            self.load_weights(ckpt.iter_full_weights(folder, self.weights.names, bucket_bytes), version)
+            self.load_weights(ckpt.iter_full_weights(folder, self.engine.weights.names, bucket_bytes), version)
 
     def receive_weights(self, broadcast: WeightBroadcast) -> int:
         """A rollout rank: the next weight version from the lead learner, by broadcast."""
         with phase("weight sync"):
             version = broadcast.receive()
+            self.engine.finish_weights()
         assert version == self.weight_version + 1, f"weights arrived out of order: v{version} after v{self.weight_version}"
         self.weight_version = version
         return version

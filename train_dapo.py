@@ -33,7 +33,8 @@ from learner import Learner, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum, at_step,
                    broadcast_samples, finish_together, init_world, leave_world, phase)
-from rollout import DynamicSampler, Generated, Rollout, RolloutWeights, check_rollout_inputs, load_rollout_model
+from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, build_engine, check_engine,
+                     check_rollout_inputs, load_rollout_model, wire_dtype)
 from samples import SampleBatch
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
@@ -69,12 +70,13 @@ class Trainer:
         self.learner = Learner(cfg, plat, derived, layout, groups, resume) if layout.is_learner else None
         self.rollout = None
         if self.single or not layout.is_learner:
-            model = self.learner.rollout_copy(cfg.model.rollout_dtype) if self.single else \
-                load_rollout_model(Path(cfg.model.model_path), cfg.model.rollout_dtype, plat.device)
-            self.rollout = Rollout(cfg, plat, layout, model, self.tokenizer, self.train_set, self.val_set)
+            rollout_copy = (lambda: self.learner.rollout_copy(cfg.model.rollout_dtype)) if self.single else \
+                (lambda: load_rollout_model(Path(cfg.model.model_path), cfg.model.rollout_dtype, plat.device))
+            engine = build_engine(cfg, plat, layout, self.tokenizer, rollout_copy)
+            self.rollout = Rollout(cfg, plat, layout, engine, self.tokenizer, self.train_set, self.val_set)
         if not self.single and (lead or not layout.is_learner):
-            form = RolloutWeights(self.learner.policy.config, cfg.model.rollout_dtype) if lead \
-                else self.rollout.weights
+            form = RolloutWeights(self.learner.policy.config, wire_dtype(cfg)) if lead \
+                else self.rollout.engine.weights
             self.weights = WeightBroadcast(form, cfg.run.weight_sync_bucket_mb, src=layout.lead_learner,
                                            group=groups.sync, device=plat.device)
             self.samples = SampleChannel(layout, groups, plat.device, cfg.rollout.sample_num)
@@ -257,6 +259,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         if memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
                              plan_only=inspection == "plan", lead=lead):
             return 0
+        check_engine(cfg, plat)  # vLLM installed, FP8 available: before output_dir is written
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
         for message in warnings_for(cfg) if lead else []:

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8 import convert_to_fp8, weight_bytes  # noqa: E402
-from rollout import Sampling, generate  # noqa: E402
+from engine import Sampling  # noqa: E402
+from engine_builtin import generate  # noqa: E402
 
 
 def geometry_model(layers: int, vocab: int) -> torch.nn.Module:

@@ -20,7 +20,8 @@ import torch
 import train_dapo
 from config import Derived, load_config
 from device import select_platform
-from rollout import DynamicSampler, Sampling
+from engine import Sampling
+from rollout import DynamicSampler
 from tests.test_rollout import fake_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,11 +240,11 @@ def test_val_every_0_never_validates(demo_assets, tmp_path):
 
 
 def test_validation_samples_at_val_temperature_and_val_top_p(demo_assets, tmp_path, monkeypatch):
-    import rollout
+    import engine_builtin
 
     seen = []
-    original = rollout.generate
-    monkeypatch.setattr(rollout, "generate", lambda *a, **kw: seen.append(kw["sampling"]) or original(*a, **kw))
+    original = engine_builtin.generate
+    monkeypatch.setattr(engine_builtin, "generate", lambda *a, **kw: seen.append(kw["sampling"]) or original(*a, **kw))
     for val_temperature in ("0.7", "0"):
         seen.clear()
         trainer = make_trainer(demo_args(demo_assets, tmp_path / val_temperature, "--val_temperature", val_temperature,

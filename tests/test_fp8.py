@@ -117,7 +117,9 @@ def test_fp8_and_bf16_rollout_agree_on_the_demo_model(demo_assets):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data_prep import load_prompts
-    from rollout import Sampling, generate, left_pad
+    from engine import Sampling
+    from engine_builtin import generate
+    from rollout import left_pad
 
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "model")
     policy = AutoModelForCausalLM.from_pretrained(demo_assets / "model", dtype=torch.float32).eval()
@@ -173,7 +175,7 @@ def test_fp8_runs_resume_exactly_and_rebuild_the_same_fp8_weights(demo_assets, t
     first = trainer(tmp_path / "split", 2)
     first.train()
     resumed = trainer(tmp_path / "split", 4, resume=tmp_path / "split" / "checkpoints" / "step_00000002")
-    synced, rebuilt = first.rollout.model.state_dict(), resumed.rollout.model.state_dict()
+    synced, rebuilt = first.rollout.engine.model.state_dict(), resumed.rollout.engine.model.state_dict()
     assert synced.keys() == rebuilt.keys() and any(t.dtype == torch.float8_e4m3fn for t in synced.values())
     assert all(torch.equal(synced[k].view(torch.uint8), rebuilt[k].view(torch.uint8)) for k in synced)
     resumed.train()

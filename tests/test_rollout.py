@@ -3,9 +3,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rollout
+import engine_builtin
 from data_prep import load_prompts
-from rollout import GroupPool, Sampling, generate, keep_informative, left_pad
+from engine import Sampling
+from engine_builtin import generate
+from rollout import GroupPool, keep_informative, left_pad
 from samples import SampleBatch
 
 
@@ -68,9 +70,9 @@ def test_rollout_logprobs_match_a_full_forward_pass(demo):
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    kept = torch.isfinite(rollout._top_p_filter(logits, 0.7))
+    kept = torch.isfinite(engine_builtin._top_p_filter(logits, 0.7))
     assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, 0.5 + 0.3 crosses it
-    assert torch.isfinite(rollout._top_p_filter(logits, 1.0)).all()
+    assert torch.isfinite(engine_builtin._top_p_filter(logits, 1.0)).all()
 
 
 def fake_batch(rewards, group_size, prompt_width=3, response_width=2, first_prompt=0):

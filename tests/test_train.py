@@ -46,7 +46,7 @@ def test_one_full_step_trains_and_writes_everything(demo_argv, tmp_path):
         assert 0 <= float(row["acc_mean"]) <= 1 and int(row["num_gen_batches"]) >= 1
     changed = [k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "no weight changed after two steps"
-    rollout = dict(trainer.rollout.model.state_dict())
+    rollout = dict(trainer.rollout.engine.model.state_dict())
     assert all(torch.equal(rollout[k], v) for k, v in policy.state_dict().items()), "weights not synced"
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
@@ -165,7 +165,7 @@ def test_bad_dataset_row_exits_2_with_one_line(demo_argv, tmp_path, capsys):
 def test_bf16_learner_with_gradient_checkpointing_trains(demo_argv, tmp_path):
     trainer = make_trainer(demo_argv + ["--max_steps", "1", "--learner_dtype", "bf16", "--rollout_dtype", "bf16",
                                         "--gradient_checkpointing", "true", "--save_every", "0", "--val_every", "0"])
-    assert trainer.rollout.model.dtype == torch.bfloat16
+    assert trainer.rollout.engine.model.dtype == torch.bfloat16
     assert next(trainer.learner.policy.parameters()).dtype == torch.float32  # fp32 master weights under bf16 autocast
     trainer.train()
     row = read_metrics(tmp_path / "run")[-1]

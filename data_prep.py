@@ -590,13 +590,14 @@ def build_demo_tokenizer():
     )
 
 
-def build_demo_model(tokenizer):
-    """Tiny Qwen3-MoE (2 layers, hidden 64, 8 experts top-2) from the current torch RNG state."""
+def build_demo_model(tokenizer, head_dim: int = 16):
+    """Tiny Qwen3-MoE (2 layers, hidden 64, 8 experts top-2) from the current torch RNG state.
+    ``head_dim`` 32 builds the variant vLLM's CPU attention runs (it takes 32, 64, 80, ...)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=DEMO_MAX_POSITIONS,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -701,7 +702,7 @@ def one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
+def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0, head_dim: int = 16) -> dict[str, Any]:
     """Write OUT/model (tiny Qwen3-MoE + tokenizer), OUT/train.jsonl, OUT/val.jsonl and
     OUT/demo_info.json; returns the info. Deterministic from the seed: the model is built and
     warm-started on one intra-op thread, so two builds on the same machine give bit-identical
@@ -723,7 +724,7 @@ def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, An
         tokenizer = build_demo_tokenizer()
         with torch.random.fork_rng(devices=[]), one_intra_op_thread():
             torch.manual_seed(seed)
-            model = build_demo_model(tokenizer)
+            model = build_demo_model(tokenizer, head_dim)
             info = warm_start(model, tokenizer, load_prompts(staging / "val.jsonl", tokenizer), seed=seed)
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
@@ -737,7 +738,7 @@ def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, An
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    info = build_demo_assets(args.out, seed=args.seed)
+    info = build_demo_assets(args.out, seed=args.seed, head_dim=args.head_dim)
     print(f"demo assets in {args.out}: tiny Qwen3-MoE with {info['num_parameters']:,} parameters, "
           f"vocab {info['vocab_size']}")
     print(f"warm start: {info['warm_start_steps']} steps; greedy accuracy {info['greedy_accuracy']:.2f} on the "
@@ -799,6 +800,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="build the offline demo assets")
     demo.add_argument("--out", required=True, help="output folder")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--head_dim", type=int, default=16, choices=[16, 32],
+                      help="32: the variant vLLM's CPU attention runs (rollout_engine vllm)")
     demo.set_defaults(run=cmd_demo)
     return parser
 

@@ -19,7 +19,7 @@ import torch
 import ckpt
 import dapo_loss
 from buckets import bucket_bound, bucketed_batches
-from config import Config, RolloutConfig, UserError
+from config import Config, Derived, RolloutConfig, UserError
 from device import ROLLOUT_COMPUTE_DTYPES, Platform
 from engine import RolloutEngine, Sampling, Seeds
 from fp8 import FP8, convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
@@ -148,8 +148,15 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
 
         from engine_vllm import VllmEngine
 
+        import memory_plan
+
         model_config = AutoConfig.from_pretrained(cfg.model.model_path, local_files_only=True)
-        return VllmEngine(cfg, plat, layout, RolloutWeights(model_config, wire_dtype(cfg)), **settings)
+        derived = Derived.of(cfg, layout.world_size)
+        planned = memory_plan.rollout_rank(cfg, derived, memory_plan.Architecture.of(model_config))
+        device_memory = int(cfg.run.device_memory_gb * 2**30) if cfg.run.device_memory_gb else plat.memory_bytes()
+        sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_ranks) * cfg.rollout.sample_num
+        return VllmEngine(cfg, plat, layout, RolloutWeights(model_config, wire_dtype(cfg)), planned=planned,
+                          sequences=sequences, device_memory=device_memory, **settings)
     from engine_builtin import BuiltinEngine
 
     model = rollout_copy()

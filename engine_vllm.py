@@ -243,8 +243,7 @@ def _load_bucket(worker: Any, path: str, capacity: int, entries: list[tuple[str,
         model._dapo_reloading = True
     if path not in _MAPPED:
         _MAPPED[path] = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
-    buffer = _MAPPED[path]
-    device = next(model.parameters()).device
+    buffer, device = _MAPPED[path], worker.device  # the model's parameters are on meta while it reloads
     for name, offset, size, shape, dtype in entries:
         # A copy: the layerwise reload keeps what it is given until a layer is complete, and the
         # next bucket overwrites the buffer.

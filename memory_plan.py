@@ -149,7 +149,12 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     fits = None if device_memory is None else max(rollout["total"], learner["device"]["total"]) <= device_memory
     layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout + {derived.num_learner_ranks} "
               f"learner" if derived.world_size > 1 else "1 process (both roles)")
-    return {"model": {"params": arch.params}, "layout": layout, "rollout_rank": rollout,
+    plan_engine = {"rollout_engine": cfg.model.rollout_engine}
+    if cfg.model.rollout_engine == "vllm":  # the engine's own settings come from the plan's rollout rank
+        import engine_vllm
+
+        plan_engine["vllm"] = engine_vllm.engine_memory(rollout, device_memory)
+    return {**plan_engine, "model": {"params": arch.params}, "layout": layout, "rollout_rank": rollout,
             "rollout_rank_host_at_start": rollout_host, "learner_rank": learner,
             "node_host_total": node_host, "ranks_per_node": ranks_per_node, "checkpoint": checkpoint,
             "device_memory": device_memory, "fits": fits}
@@ -201,6 +206,11 @@ def table(plan: dict[str, Any], notes: list[str]) -> str:
     lines = [f"model: {plan['model']['params'] / 1e9:.2f}B parameters; {plan['layout']}",
              "rollout rank (device):"]
     lines += [f"  {k:<16} {gib(v)}" for k, v in rollout.items()]
+    if "vllm" in plan:
+        vllm, share = plan["vllm"], plan["vllm"]["gpu_memory_utilization"]
+        lines.append(f"  vLLM engine: weights {gib(rollout['weights']).strip()}, KV cache "
+                     f"{gib(vllm['kv_cache_memory_bytes']).strip()} (kv_cache_memory_bytes on CPU; "
+                     f"gpu_memory_utilization {share if share is not None else 'unknown'} on a device)")
     lines.append(f"rollout rank (host, at start-up): {gib(plan['rollout_rank_host_at_start']).strip()}")
     for where in ("device", "host"):
         lines.append(f"learner rank ({where}):")

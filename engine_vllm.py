@@ -179,6 +179,10 @@ class VllmEngine:
         with _keep_rng():
             self.llm.collective_rpc(_load_bucket, args=(path, self.weights.capacity, entries))
 
+    def close(self) -> None:
+        """End the engine's process now (at exit vLLM ends it by itself)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def memory(self) -> dict[str, Optional[int]]:
         return {"weights": sum(self.weights.nbytes(i) for i in range(len(self.weights.names))),
                 "kv_cache": self.kv_cache_bytes}
@@ -191,7 +195,7 @@ class _SharedMemoryWeights:
 
     def __init__(self, form: Any, engine: VllmEngine, bucket_bytes: int) -> None:
         self.form, self.engine = form, engine
-        self.names = form.names
+        self.names, self.shapes = form.names, form.shapes
         self.capacity = max([bucket_bytes] + [form.nbytes(i) for i in range(len(form.names))])
         handle, self.path = tempfile.mkstemp(prefix="dapo-vllm-weights-", dir=_shared_memory_dir())
         os.close(handle)

@@ -138,9 +138,12 @@ def wire_dtype(cfg: Config) -> str:
 
 
 def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
-                 rollout_copy: Callable[[], torch.nn.Module]) -> RolloutEngine:
+                 rollout_copy: Callable[[], torch.nn.Module],
+                 learner_weights: Optional[Callable[[], Iterable[torch.Tensor]]] = None) -> RolloutEngine:
     """This rank's rollout engine. ``rollout_copy()`` builds the built-in engine's model: the
-    learner's copy in one process, else read from model_path (load_rollout_model)."""
+    learner's copy in one process, else read from model_path (load_rollout_model). In one
+    process ``learner_weights()`` are the learner's weights (a resumed run's), which an engine
+    that reads model_path itself then takes."""
     settings = dict(stop_ids=stop_ids(cfg, tokenizer), pad_id=tokenizer.pad_token_id,
                     max_new_tokens=cfg.rollout.max_response_length)
     if cfg.model.rollout_engine == "vllm":
@@ -155,8 +158,11 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
         planned = memory_plan.rollout_rank(cfg, derived, memory_plan.Architecture.of(model_config))
         device_memory = int(cfg.run.device_memory_gb * 2**30) if cfg.run.device_memory_gb else plat.memory_bytes()
         sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_ranks) * cfg.rollout.sample_num
-        return VllmEngine(cfg, plat, layout, RolloutWeights(model_config, wire_dtype(cfg)), planned=planned,
-                          sequences=sequences, device_memory=device_memory, **settings)
+        engine = VllmEngine(cfg, plat, layout, RolloutWeights(model_config, wire_dtype(cfg)), planned=planned,
+                            sequences=sequences, device_memory=device_memory, **settings)
+        if learner_weights is not None:
+            engine.load_weights(learner_weights())
+        return engine
     from engine_builtin import BuiltinEngine
 
     model = rollout_copy()

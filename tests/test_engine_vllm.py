@@ -198,3 +198,8 @@ def test_plan_shows_the_vllm_engines_weights_and_kv_cache_for_the_30b_config(tmp
     assert plan["rollout_engine"] == "vllm"
     assert plan["vllm"]["kv_cache_memory_bytes"] == plan["rollout_rank"]["kv_cache"]
     assert plan["vllm"]["gpu_memory_utilization"] == pytest.approx(plan["rollout_rank"]["total"] / 64 / 2**30, abs=1e-4)
+
+
+def test_importing_the_engine_module_does_not_import_vllm():
+    check = "import sys, engine_vllm, rollout; assert 'vllm' not in sys.modules, 'vllm imported'"
+    assert subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True).returncode == 0

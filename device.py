@@ -143,6 +143,18 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> to
     return torch.nn.functional.linear(x, weight)
 
 
+def experts_implementation(device_type: str) -> str:
+    """transformers' kernel for fused MoE experts on a ``device_type`` device (its config's
+    ``experts_implementation``; transformers itself picks ``grouped_mm`` on every device).
+
+    ``grouped_mm`` (one grouped GEMM per projection) on CUDA and CPU. ``eager`` (a loop over the
+    experts that received tokens) on NPU: torch_npu's operator table lists no ``_grouped_mm``, so
+    the first forward there may raise NotImplementedError; eager is the safe path until a run on
+    an NPU confirms the grouped kernel.
+    """
+    return "eager" if device_type == "npu" else "grouped_mm"
+
+
 def step_generator(seed: int, *keys: int, device: torch.device = torch.device("cpu")) -> torch.Generator:
     """A generator on ``device`` (where the tensors it draws for live) that depends only on
     (seed, keys): the same draws on every run and resume on that kind of device."""

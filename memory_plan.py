@@ -16,7 +16,7 @@ A reward model (``reward_model``) lives on every rollout rank, in the rollout's 
 (rewards.reward_model_dtype); its parameters are counted like the policy's, on meta from its
 config.json. With one process both roles share one device, so the device holds the learner and
 the rollout side together, and at start-up, before either has its working memory, the rollout
-copy is made as a full fp32 deepcopy of the policy (learner.Learner.rollout_copy) and only then
+copy is made as a full fp32 copy of the policy (learner.Learner.rollout_copy) and only then
 cast: the plan's peak is the larger of that moment and the steady state, and it names which.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 import hf_weights
-from config import Config, Derived, UserError
+from config import Config, Derived, UserError, uses_fsdp
 from device import Platform
 from metrics import log
 from ranks import Layout, gather_json
@@ -139,9 +139,9 @@ def rollout_rank(cfg: Config, derived: Derived, arch: Architecture,
 def one_process(cfg: Config, arch: Architecture, rollout: dict[str, int], learner_device: dict[str, int]) -> dict[str, Any]:
     """One process, both roles on one device. Steady state: everything the learner and the
     rollout side hold, together (the caching allocator keeps what each phase freed). Start-up:
-    the learner's parameters (and KL reference) and learner.Learner.rollout_copy's fp32 deepcopy
+    the learner's parameters (and KL reference) and learner.Learner.rollout_copy's fp32 copy
     of the policy, while it is cast to the rollout dtype one parameter at a time (a parameter's
-    cast beside its fp32 original; nothing extra for an fp32 rollout, whose copy is the deepcopy);
+    cast beside its fp32 original; nothing extra for an fp32 rollout, whose copy is that fp32 copy);
     the reward model is loaded only after that."""
     fp32_copy = 4 * arch.params
     casting = 0 if cfg.model.rollout_dtype == "fp32" else arch.largest_param * _dtype_bytes(cfg.model.rollout_dtype)
@@ -149,14 +149,14 @@ def one_process(cfg: Config, arch: Architecture, rollout: dict[str, int], learne
     start_up = learner_device["params"] + fp32_copy + casting
     return {"learner": learner_device["total"], "rollout": rollout["total"], "steady_state": steady_state,
             "fp32_rollout_copy": fp32_copy, "start_up": start_up, "total": max(steady_state, start_up),
-            "peak_at": "steady state" if steady_state >= start_up else "start-up (the rollout copy's fp32 deepcopy)"}
+            "peak_at": "steady state" if steady_state >= start_up else "start-up (the rollout copy's fp32 copy)"}
 
 
 def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_reference: bool) -> dict[str, Any]:
     """One learner rank, on its device and on its host (the lead's host: the most loaded)."""
     shard = math.ceil(arch.params / derived.num_learner_ranks)
     # fp32 master weights, and the KL reference: frozen, so bf16 where FSDP2 computes in bf16.
-    sharded = derived.num_learner_ranks > 1 or cfg.model.learner_offload
+    sharded = uses_fsdp(cfg, derived.num_learner_ranks)
     reference = (2 if sharded and cfg.model.learner_dtype == "bf16" else 4) * shard if with_reference else 0
     params = 4 * shard + reference
     grads, optimizer = 4 * shard, 8 * shard  # fp32 gradients, AdamW's two fp32 moments

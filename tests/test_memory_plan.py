@@ -138,9 +138,10 @@ def test_one_process_holds_the_learner_and_the_rollout_on_one_device_and_plans_t
                            "--kl_coef", kl, *DEMO_SHAPE])
         plan = make_plan(cfg, Derived.of(cfg, 1), model_config, None, with_reference=kl != "0")
         learner, rollout, single = plan["learner_rank"]["device"], plan["rollout_rank"], plan["one_process"]
-        # The learner, unsharded: fp32 weights (and the KL reference, fp32 as nothing shards it), gradients
-        # and AdamW, then the larger of the activations (an estimate) and AdamW's one-shard temporary.
-        weights = 4 * params + (4 * params if kl != "0" else 0)
+        # The learner (bf16, so FSDP2 over its one rank): fp32 weights (and the KL reference, bf16 as
+        # FSDP2 computes in bf16), gradients and AdamW, then the larger of the activations (an
+        # estimate) and AdamW's one-shard temporary.
+        weights = 4 * params + (2 * params if kl != "0" else 0)
         learner_total = weights + 4 * params + 8 * params + max(learner["activations"], 4 * params)
         # The rollout side: every sequence of the step on this one device (6 x 8 of 64 + 8 tokens).
         compute = 4 if rollout_dtype == "fp32" else 2
@@ -149,7 +150,7 @@ def test_one_process_holds_the_learner_and_the_rollout_on_one_device_and_plans_t
         rollout_total = rollout_weights[rollout_dtype] + kv_cache + rollout["activations"]
         assert (learner["params"], learner["total"], rollout["total"]) == (weights, learner_total, rollout_total)
         # Steady state: both roles together. Start-up: the learner's weights and the rollout copy's fp32
-        # deepcopy of the policy, one parameter of which is cast beside its original (the deepcopy is
+        # copy of the policy, one parameter of which is cast beside its original (the fp32 copy is
         # the rollout copy itself when the rollout is fp32).
         steady = learner_total + rollout_total
         start_up = weights + 4 * params + (0 if rollout_dtype == "fp32" else largest * compute)

@@ -254,12 +254,13 @@ class Learner:
 
     @torch.no_grad()
     def logprobs_of(self, model: torch.nn.Module, batch: SampleBatch, rows: torch.Tensor) -> torch.Tensor:
-        """[N, R] log-probs, filled in for ``rows`` only, computed micro-batch by micro-batch."""
-        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+        """[N, R] log-probs on the host, filled in for ``rows`` only, computed micro-batch by
+        micro-batch into one device buffer that is read once."""
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.plat.device)
         for chunk, part in self.micro_batches(batch, rows):
             logp, _ = self.sequence_logprobs(model, part, with_entropy=False)
-            out[chunk, : logp.shape[1]] = logp.float().cpu()
-        return out
+            out[chunk, : logp.shape[1]] = logp.float()
+        return out.cpu()
 
     # ----- the update ---------------------------------------------------------------------------
 

@@ -145,7 +145,10 @@ class BackgroundWriter:
     a failure surfaces at the next :meth:`wait`. Tasks get only data that nothing changes under
     them (host copies, tensors the next update replaces rather than modifies)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bind_device: Callable[[], None]) -> None:
+        # A new thread starts on device 0 on CUDA and NPU, and DCP's writer asks the thread's
+        # current stream: unbound, every rank but local rank 0 would open a context on device 0.
+        self._bind_device = bind_device
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
@@ -154,6 +157,7 @@ class BackgroundWriter:
 
         def run() -> None:
             try:
+                self._bind_device()
                 task()
             except BaseException as error:  # handed to the training thread at wait()
                 self._error = error

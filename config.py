@@ -423,6 +423,13 @@ class Derived:
         )
 
 
+def uses_fsdp(cfg: Config, num_learners: int) -> bool:
+    """Whether the learner runs under FSDP2: to split its state over several learners or into host
+    memory, and, on a single rank too, to compute in bf16 (learner.shard_model: autocast does not
+    reach the fused MoE experts)."""
+    return num_learners > 1 or cfg.model.learner_offload or cfg.model.learner_dtype == "bf16"
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Which weight versions are validated and checkpointed, from the run settings and the step

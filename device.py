@@ -143,6 +143,18 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> to
     return torch.nn.functional.linear(x, weight)
 
 
+def experts_implementation(device_type: str) -> str:
+    """transformers' kernel for fused MoE experts on a ``device_type`` device (its config's
+    ``experts_implementation``; transformers itself picks ``grouped_mm`` on every device).
+
+    ``grouped_mm`` (one grouped GEMM per projection) on CUDA and CPU. ``eager`` (a loop over the
+    experts that received tokens) on NPU: torch_npu's operator table lists no ``_grouped_mm``, so
+    the first forward there may raise NotImplementedError; eager is the safe path until a run on
+    an NPU confirms the grouped kernel.
+    """
+    return "eager" if device_type == "npu" else "grouped_mm"
+
+
 def mix_seed(seed: int, *keys: int) -> int:
     """One 63-bit seed from the run's seed and integer keys (step, batch, ...)."""
     mixed = seed

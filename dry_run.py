@@ -33,7 +33,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from config import Config, Derived, UserError
+from config import Config, Derived, UserError, uses_fsdp
 from memory_plan import GIB, make_plan
 
 STAND_IN = "accel"
@@ -299,8 +299,7 @@ def describe(cfg: Config, model: torch.nn.Module, learners: int, device: str) ->
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     kernel = getattr(model.config, "_experts_implementation", None) or "grouped_mm"
     routing = f", {experts} experts with top-{text.num_experts_per_tok} routing through {kernel}" if experts else ""
-    # A real run shards only over several learners or to offload; one learner computes under autocast.
-    unsharded = "" if learners > 1 or model_cfg.learner_offload else " (a run with one learner does not shard)"
+    unsharded = "" if uses_fsdp(cfg, learners) else " (an fp32 run with one learner does not shard)"
     held = ", the previous micro-batch's gradients held" if cfg.optim.gradient_accumulation_steps > 1 else ""
     on_off = {True: "on", False: "off"}
     checkpointing = on_off[model_cfg.gradient_checkpointing]

@@ -94,8 +94,10 @@ def _set_environment(plat: Platform, layout: Layout) -> None:
 def engine_memory(planned: dict[str, int], device_memory: Optional[int]) -> dict[str, Any]:
     """vLLM's memory settings from the memory plan's rollout rank (memory_plan.rollout_rank): its
     KV cache in bytes (CPU; vLLM's own KV cache, paged, holds the same tokens), or the share of
-    the device it may take for weights, activations and KV cache (accelerators)."""
-    share = round(min(0.95, planned["total"] / device_memory), 4) if device_memory else None
+    the device it may take for weights, activations and KV cache (accelerators; a reward model
+    on the rank is the rank's, not the engine's)."""
+    engine_bytes = planned["total"] - planned.get("reward_model", 0)
+    share = round(min(0.95, engine_bytes / device_memory), 4) if device_memory else None
     return {"kv_cache_memory_bytes": planned["kv_cache"], "gpu_memory_utilization": share}
 
 

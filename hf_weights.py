@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from config import UserError
+from device import experts_implementation
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,16 +92,20 @@ class WeightFiles:
 
 
 def empty_model(path: Path, device: Any, dtype: torch.dtype,
-                prepare: Optional[Callable[[torch.nn.Module], Any]] = None) -> torch.nn.Module:
+                prepare: Optional[Callable[[torch.nn.Module], Any]] = None, *,
+                computes_on: Optional[str] = None) -> torch.nn.Module:
     """The architecture of the model folder ``path`` in ``dtype``, built on the meta device,
     ``prepare``-d there (sharded, converted to FP8), then given storage on ``device`` without
     its weights, which the caller reads a piece at a time. Buffers (the rotary frequencies) are
-    computed, not read."""
+    computed, not read. Its MoE experts run the kernel device.experts_implementation gives the
+    type of device it computes on: ``computes_on`` where that is not ``device``'s (an offloaded
+    learner keeps its storage on the host)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    experts = experts_implementation(computes_on or torch.device(device).type)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts)
     if prepare is not None:
         prepare(model)
     model.to_empty(device=device)

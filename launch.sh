@@ -66,7 +66,9 @@ torchrun_cmd() {
   # --numa-binding on CUDA (NUMA_BINDING=none turns it off). env_report.json records which.
   local binding=()
   if [[ "$platform" == npu ]]; then
-    export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}" HCCL_TIMEOUT="${HCCL_TIMEOUT:-3000}"
+    # HCCL_EXEC_TIMEOUT is the name CANN and torch_npu read (the article's HCCL_TIMEOUT does
+    # nothing); its default, 1800 s, is below the 30B config's dist_timeout_s.
+    export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}" HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-3000}"
     export CPU_AFFINITY_CONF="${CPU_AFFINITY_CONF:-2}" DAPO_CPU_BINDING="CPU_AFFINITY_CONF=${CPU_AFFINITY_CONF:-2}"
   elif [[ "$platform" == cuda && "${NUMA_BINDING:-node}" != none ]] \
       && "$py" -m torch.distributed.run --help 2>/dev/null | grep -q -- --numa-binding; then

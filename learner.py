@@ -4,12 +4,12 @@ step, gathering the new weights, and the learner's part of every checkpoint.
 With several learner ranks each holds a shard of the parameters, gradients and AdamW state
 (ZeRO-3) and trains on an equal share of every mini-batch; the loss is normalised by the whole
 mini-batch's token (or sequence) count, so the update does not depend on the number of learners
-or micro-batches. The algorithm's math is in dapo_loss.py; this file only feeds it.
+or micro-batches. A bf16 learner runs under FSDP2 even alone (one learner rank, or a one-process
+run over a group of its own): its mixed precision is the one way to bf16 in every matmul.
+The algorithm's math is in dapo_loss.py; this file only feeds it.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import ckpt
 import dapo_loss
-from config import Config, Derived
+from config import Config, Derived, uses_fsdp
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
@@ -33,13 +33,15 @@ from samples import SampleBatch
 LOSS_METRICS = ("policy_loss", "kl", "entropy", "length_penalty", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
 
 
-def shard_model(model: torch.nn.Module, mesh: Any, *, learner_dtype: str, offload: bool) -> None:
+def shard_model(model: torch.nn.Module, mesh: Any, *, learner_dtype: str, offload: bool,
+                frozen: bool = False) -> None:
     """FSDP2 over ``mesh``: parameters, gradients and optimizer state split (ZeRO-3), each decoder
     layer gathered only while it computes.
 
     With learner_dtype bf16, FSDP2 gathers each layer's fp32 master weights as bf16 and reduces
     gradients in fp32: bf16 compute that reaches every matmul, fused MoE experts included, which
-    autocast does not (PLATFORM.md: grouped_mm experts stay fp32 under it). With ``offload`` the
+    autocast over fp32 weights does not (its grouped_mm experts run fp32 GEMMs, 2.7x slower on an
+    H200: PLATFORM.md). So a bf16 learner is sharded even over one rank. With ``offload`` the
     shards, their gradients and AdamW's state live in host memory and each layer is copied to
     the device for its forward and backward (CPUOffloadPolicy).
     """
@@ -51,17 +53,21 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, learner_dtype: str, offloa
     placement = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload else OffloadPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=placement)
-    fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=placement)
+    # The root's own parameters (embeddings, final norm, lm_head: 622M at 30B) are the first that
+    # backward needs, so they stay gathered from forward to backward instead of being gathered
+    # twice per micro-batch (as torchtitan does; said here, not left to the default, which torch
+    # has changed). A frozen model (the KL reference) has no backward: its root reshards at once.
+    fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=placement, reshard_after_forward=frozen)
 
 
 def build_model(path: Path, device: torch.device, mesh: Any = None, *, learner_dtype: str = "fp32",
-                offload: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                offload: bool = False, dtype: torch.dtype = torch.float32, frozen: bool = False) -> torch.nn.Module:
     """The architecture of ``path`` in ``dtype``, sharded over ``mesh`` when given, with storage
     for this rank's shards only (on the host with ``offload``): its weights are not filled in
-    yet (:func:`fill_from_files`, or a checkpoint's learner state)."""
+    yet (:func:`fill_from_files`, or a checkpoint's learner state). ``frozen``: never trained."""
     shard = None if mesh is None else \
-        (lambda model: shard_model(model, mesh, learner_dtype=learner_dtype, offload=offload))
-    return empty_model(path, "cpu" if offload else device, dtype, shard)
+        (lambda model: shard_model(model, mesh, learner_dtype=learner_dtype, offload=offload, frozen=frozen))
+    return empty_model(path, "cpu" if offload else device, dtype, shard, computes_on=device.type)
 
 
 def shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -99,6 +105,22 @@ def prepare_policy(model: torch.nn.Module, cfg: Config) -> None:
         enable()
 
 
+def attention_mask_for(model: torch.nn.Module, valid: torch.Tensor) -> torch.Tensor:
+    """The attention mask of a full-sequence forward over left-padded rows (``valid`` [N, L]).
+
+    For sdpa without a sliding window it is built here, on the device, as transformers builds it
+    ([N, 1, L, L] bool: query i sees keys j <= i that are real tokens; torch's attention gives a
+    padding query that sees nothing a zero row), so the numbers do not change. Given the 2D mask,
+    transformers first reads it on the host to decide whether it may drop it: one or two device
+    syncs per forward. Other attention kernels get the 2D mask and build their own."""
+    config = model.config
+    if config._attn_implementation != "sdpa" or getattr(config, "sliding_window", None) is not None:
+        return valid.long()
+    length = valid.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
+    return causal & valid[:, None, None, :]
+
+
 def reference_dtype(cfg: Config, sharded: bool) -> torch.dtype:
     """The frozen KL reference needs no fp32 master copy where FSDP2 computes in bf16: bf16
     weights give that compute bit for bit, in half the bytes."""
@@ -130,19 +152,20 @@ class Learner:
                  resume: Optional[Path]) -> None:
         self.cfg, self.plat, self.derived, self.layout, self.groups = cfg, plat, derived, layout, groups
         torch.manual_seed(cfg.run.seed)
-        # Sharded over the learners (also one learner of a torchrun job that offloads): FSDP2.
-        self.sharded = groups is not None and (layout.num_learners > 1 or cfg.model.learner_offload)
+        self.sharded = uses_fsdp(cfg, layout.num_learners)
+        assert groups is not None or not self.sharded, "FSDP2 needs a learner group (train_dapo.one_process_groups)"
         self.policy = self._build(resume)
         prepare_policy(self.policy, cfg)
         # The policy continues from the checkpoint's weights; the KL reference stays the base model.
         self.ref_model = None
         if uses_reference_model(cfg):
-            self.ref_model = self._build(None, reference_dtype(cfg, self.sharded)).eval().requires_grad_(False)
+            self.ref_model = self._build(None, reference_dtype(cfg, self.sharded), frozen=True)
+            self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate,
                                            betas=(0.9, 0.999), weight_decay=cfg.optim.weight_decay)
         self.optimizer_steps = 0
         self.skipped_steps = 0
-        self.writer = ckpt.BackgroundWriter()
+        self.writer = ckpt.BackgroundWriter(plat.bind)
         if layout.is_lead:
             log(self.describe())
 
@@ -151,9 +174,10 @@ class Learner:
         how = f"FSDP2 over {self.layout.num_learners} learner rank(s)" if self.sharded else "unsharded"
         return f"learner: {how}; fp32 weights, gradients and AdamW state {where}; computes in {self.cfg.model.learner_dtype}"
 
-    def _build(self, resume: Optional[Path], dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-        """The policy (or the reference model) with this learner's shards of the base model's
-        weights, or of checkpoint ``resume``'s."""
+    def _build(self, resume: Optional[Path], dtype: torch.dtype = torch.float32,
+               frozen: bool = False) -> torch.nn.Module:
+        """The policy (or the ``frozen`` reference model) with this learner's shards of the base
+        model's weights, or of checkpoint ``resume``'s."""
         mesh = None
         if self.sharded:
             from torch.distributed.device_mesh import DeviceMesh
@@ -161,7 +185,7 @@ class Learner:
             mesh = DeviceMesh.from_group(self.groups.learners, self.plat.device.type)
         model = build_model(Path(self.cfg.model.model_path), self.plat.device, mesh,
                             learner_dtype=self.cfg.model.learner_dtype, offload=self.cfg.model.learner_offload,
-                            dtype=dtype)
+                            dtype=dtype, frozen=frozen)
         if resume is None:
             fill_from_files(model, Path(self.cfg.model.model_path))
         else:
@@ -172,20 +196,17 @@ class Learner:
     def learner_group(self) -> Any:
         return self.groups.learners if self.groups is not None else None
 
+    @torch.no_grad()
     def rollout_copy(self, rollout_dtype: str) -> torch.nn.Module:
-        """An unsharded copy of the policy for a one-process run's rollout side."""
+        """An unsharded copy of the policy for a one-process run's rollout side: its full fp32
+        weights (gathered when sharded), then converted to the rollout dtype."""
+        model = empty_model(Path(self.cfg.model.model_path), self.plat.device, torch.float32)
+        for param, weight in zip(model.parameters(), self.full_weights(), strict=True):
+            param.copy_(weight)
         dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
-        model = copy.deepcopy(self.policy)
         return convert_to_fp8(model, dtype) if rollout_dtype == "fp8" else model.to(dtype)
 
-    # ----- schedules and precision ---------------------------------------------------------------
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 compute over fp32 master weights for an unsharded learner (one learner rank);
-        sharded learners get it from FSDP2's mixed-precision policy instead."""
-        if self.cfg.model.learner_dtype == "bf16" and not self.sharded:
-            return torch.autocast(device_type=self.plat.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    # ----- schedules ----------------------------------------------------------------------------
 
     def kl_coef_at(self, step: int) -> float:
         """The KL coefficient of training step ``step`` (1-based): kl_coef_init for the first
@@ -213,9 +234,8 @@ class Learner:
         attention = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)
         positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
         width = batch.response_ids.shape[1]
-        with self.autocast():
-            logits = model(input_ids=ids, attention_mask=attention.long(), position_ids=positions,
-                           use_cache=False, logits_to_keep=width + 1).logits
+        logits = model(input_ids=ids, attention_mask=attention_mask_for(model, attention), position_ids=positions,
+                       use_cache=False, logits_to_keep=width + 1).logits
         # One contiguous copy that the log-prob and entropy kernels both view (and save for
         # backward), instead of one copy each of a strided slice.
         logits = logits[:, :-1].contiguous()
@@ -234,12 +254,13 @@ class Learner:
 
     @torch.no_grad()
     def logprobs_of(self, model: torch.nn.Module, batch: SampleBatch, rows: torch.Tensor) -> torch.Tensor:
-        """[N, R] log-probs, filled in for ``rows`` only, computed micro-batch by micro-batch."""
-        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+        """[N, R] log-probs on the host, filled in for ``rows`` only, computed micro-batch by
+        micro-batch into one device buffer that is read once."""
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.plat.device)
         for chunk, part in self.micro_batches(batch, rows):
             logp, _ = self.sequence_logprobs(model, part, with_entropy=False)
-            out[chunk, : logp.shape[1]] = logp.float().cpu()
-        return out
+            out[chunk, : logp.shape[1]] = logp.float()
+        return out.cpu()
 
     # ----- the update ---------------------------------------------------------------------------
 
@@ -267,7 +288,9 @@ class Learner:
             is_weights = torch.exp(old_logp - batch.rollout_logp).clamp(max=cfg.algo.tis_cap) * mask
         per_row = StepTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights,
                               length_ratio=dapo_loss.group_length_ratio(batch.response_lengths, batch.group_size))
-        sums = dict.fromkeys(LOSS_METRICS, 0.0)
+        # Summed where they are computed: a read into Python would wait for each backward before
+        # the next forward is queued; reduce_metrics reads them once per step.
+        sums = {key: torch.zeros((), device=self.plat.device) for key in LOSS_METRICS}
         grad_norms = []
         for epoch in range(cfg.optim.ppo_epochs):
             order = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step, epoch))
@@ -287,8 +310,9 @@ class Learner:
         return logp
 
     def accumulate_minibatch(self, batch: SampleBatch, per_row: StepTensors, minibatch: torch.Tensor,
-                             kl_coef: float, sums: dict[str, float]) -> None:
-        """Backward over this learner's rows of one mini-batch (``minibatch``: every learner's rows)."""
+                             kl_coef: float, sums: dict[str, torch.Tensor]) -> None:
+        """Backward over this learner's rows of one mini-batch (``minibatch``: every learner's rows),
+        adding its metrics into ``sums`` on the device."""
         algo, learners = self.cfg.algo, self.layout.num_learners
         rows = minibatch[self.layout.learner_index::learners]
         tokens = int(batch.response_mask[minibatch].sum())
@@ -311,28 +335,28 @@ class Learner:
                 kl = dapo_loss.aggregate(dapo_loss.kl_penalty(logp, on_device(per_row.ref_logp), algo.kl_type),
                                          part_mask, algo.loss_agg_mode, normalizer)
                 loss = loss + kl_coef * kl
-                sums["kl"] += kl.item()
+                sums["kl"] += kl.detach()
             if algo.length_penalty_coef:
                 penalty = dapo_loss.length_penalty(logp, part_mask, per_row.length_ratio[chunk].to(self.plat.device),
                                                    coef=algo.length_penalty_coef, normalizer=normalizer)
                 loss = loss + penalty
-                sums["length_penalty"] += penalty.item()
+                sums["length_penalty"] += penalty.detach()
             # FSDP averages gradients over learners, but each learner's loss is already its share
             # of the whole mini-batch's loss: scale so the average is the sum.
             (loss * learners).backward()
-            sums["policy_loss"] += pg_loss.item()
-            sums["entropy"] += entropy_term.item()
+            sums["policy_loss"] += pg_loss.detach()
+            sums["entropy"] += entropy_term.detach()
             for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                sums[key] += pg_metrics[key].item() * share
+                sums[key] += pg_metrics[key] * share
 
-    def reduce_metrics(self, sums: dict[str, float], gaps: dict[str, torch.Tensor], grad_norms: list[float], *,
+    def reduce_metrics(self, sums: dict[str, torch.Tensor], gaps: dict[str, torch.Tensor], grad_norms: list[float], *,
                        kl_coef: float, lr: float) -> dict[str, Any]:
         """The step's metrics, summed over learners and averaged over optimizer steps; the
         rollout/learner log-prob gaps over all tokens and over the engine's own (``gaps``)."""
         keys = list(sums)
         gap, engine = gaps["all"], gaps["engine"]
-        totals = [sums[k] for k in keys] + [float(gap.sum()), float(gap.numel()), float(engine.sum()),
-                                            float(engine.numel())]
+        totals = torch.stack([sums[k] for k in keys]).tolist()  # the step's one read of the metrics
+        totals += [float(gap.sum()), float(gap.numel()), float(engine.sum()), float(engine.numel())]
         gap_max = float(gap.max()) if gap.numel() else 0.0
         if self.layout.num_learners > 1:
             with phase("update"):

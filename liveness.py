@@ -5,7 +5,7 @@ rollout rank for the next weights (a whole training step), a learner for the lea
 validation and checkpoint. Such waits happen here, in the job's store (the c10d store the
 process group was built on), never inside a collective: a rank marks its arrival at an exchange
 and blocks until every member of the group has arrived, so the collective that follows runs with
-everybody present and the backends' own timeouts (gloo, NCCL, HCCL_TIMEOUT) see only the
+everybody present and the backends' own timeouts (gloo, NCCL, HCCL_EXEC_TIMEOUT) see only the
 exchange itself.
 
 Meanwhile a thread renews this rank's heartbeat in the store every few seconds, saying what the

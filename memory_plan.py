@@ -11,6 +11,13 @@ the learner ranks, on the device or, with learner_offload, in host memory; the K
 model, when loaded, is sharded the same way in fp32; when a checkpoint is taken every learner
 copies its shards to host memory, which a writer thread saves while training goes on. No rank
 holds the whole model in fp32: weight sync and the Hugging Face export go a piece at a time.
+
+A reward model (``reward_model``) lives on every rollout rank, in the rollout's compute dtype
+(rewards.reward_model_dtype); its parameters are counted like the policy's, on meta from its
+config.json. With one process both roles share one device, so the device holds the learner and
+the rollout side together, and at start-up, before either has its working memory, the rollout
+copy is made as a full fp32 copy of the policy (learner.Learner.rollout_copy) and only then
+cast: the plan's peak is the larger of that moment and the steady state, and it names which.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 import hf_weights
-from config import Config, Derived, UserError
+from config import Config, Derived, UserError, uses_fsdp
 from device import Platform
 from metrics import log
 from ranks import Layout, gather_json
@@ -82,9 +89,37 @@ def _dtype_bytes(name: str) -> int:
     return {"fp32": 4, "bf16": 2, "fp8": 2}[name]  # FP8 rollout computes (and caches) in bf16
 
 
-def rollout_rank(cfg: Config, derived: Derived, arch: Architecture) -> dict[str, int]:
+def reward_model_params(path: str) -> Optional[int]:
+    """Parameters of the reward model folder ``path``, counted as the policy's are: on an
+    instance built on the meta device from its config.json. None when the folder has no
+    config.json (a placeholder such as the shipped 30B config's /path/to/reward_model)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if not (Path(path) / "config.json").is_file():
+        return None
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    return sum(p.numel() for p in model.parameters())
+
+
+def reward_model(cfg: Config) -> Optional[dict[str, Any]]:
+    """What a rollout rank holds of the reward model: its weights in the rollout's compute dtype
+    (``bytes`` None when it could not be counted); None when the run scores with a rule."""
+    from rewards import reward_model_dtype
+
+    if not cfg.model.reward_model:
+        return None
+    params = reward_model_params(cfg.model.reward_model)
+    dtype = reward_model_dtype(cfg.model.rollout_dtype)
+    return {"path": cfg.model.reward_model, "params": params, "dtype": str(dtype).removeprefix("torch."),
+            "bytes": None if params is None else params * dtype.itemsize}
+
+
+def rollout_rank(cfg: Config, derived: Derived, arch: Architecture,
+                 reward: Optional[dict[str, Any]] = None) -> dict[str, int]:
     """One rollout rank: its copy of the policy, the KV cache of its share of a generation batch
-    (validation batches are no larger), and the transient buffers of generation and weight sync."""
+    (validation batches are no larger), the transient buffers of generation and weight sync, and
+    the reward model's weights when there is one (and it could be counted)."""
     model, rollout = cfg.model, cfg.rollout
     compute = _dtype_bytes(model.rollout_dtype)
     weights = arch.fp8_rollout_bytes if model.rollout_dtype == "fp8" else arch.params * compute
@@ -95,15 +130,33 @@ def rollout_rank(cfg: Config, derived: Derived, arch: Architecture) -> dict[str,
     # (logits, log-softmax, the sampling distribution), one weight-sync bucket.
     prefill = sequences * cfg.data.max_prompt_length * arch.saved_per_token_layer(compute)
     activations = prefill + 3 * sequences * arch.vocab * 4 + cfg.run.weight_sync_bucket_mb * 2**20
-    return {"weights": weights, "kv_cache": kv_cache, "activations": activations,
-            "total": weights + kv_cache + activations}
+    items = {"weights": weights, "kv_cache": kv_cache, "activations": activations}
+    if reward is not None and reward["bytes"] is not None:
+        items["reward_model"] = reward["bytes"]
+    return {**items, "total": sum(items.values())}
+
+
+def one_process(cfg: Config, arch: Architecture, rollout: dict[str, int], learner_device: dict[str, int]) -> dict[str, Any]:
+    """One process, both roles on one device. Steady state: everything the learner and the
+    rollout side hold, together (the caching allocator keeps what each phase freed). Start-up:
+    the learner's parameters (and KL reference) and learner.Learner.rollout_copy's fp32 copy
+    of the policy, while it is cast to the rollout dtype one parameter at a time (a parameter's
+    cast beside its fp32 original; nothing extra for an fp32 rollout, whose copy is that fp32 copy);
+    the reward model is loaded only after that."""
+    fp32_copy = 4 * arch.params
+    casting = 0 if cfg.model.rollout_dtype == "fp32" else arch.largest_param * _dtype_bytes(cfg.model.rollout_dtype)
+    steady_state = learner_device["total"] + rollout["total"]
+    start_up = learner_device["params"] + fp32_copy + casting
+    return {"learner": learner_device["total"], "rollout": rollout["total"], "steady_state": steady_state,
+            "fp32_rollout_copy": fp32_copy, "start_up": start_up, "total": max(steady_state, start_up),
+            "peak_at": "steady state" if steady_state >= start_up else "start-up (the rollout copy's fp32 copy)"}
 
 
 def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_reference: bool) -> dict[str, Any]:
     """One learner rank, on its device and on its host (the lead's host: the most loaded)."""
     shard = math.ceil(arch.params / derived.num_learner_ranks)
     # fp32 master weights, and the KL reference: frozen, so bf16 where FSDP2 computes in bf16.
-    sharded = derived.num_learner_ranks > 1 or cfg.model.learner_offload
+    sharded = uses_fsdp(cfg, derived.num_learner_ranks)
     reference = (2 if sharded and cfg.model.learner_dtype == "bf16" else 4) * shard if with_reference else 0
     params = 4 * shard + reference
     grads, optimizer = 4 * shard, 8 * shard  # fp32 gradients, AdamW's two fp32 moments
@@ -137,8 +190,12 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
               *, with_reference: bool) -> dict[str, Any]:
     """The plan as memory_plan.json holds it, every size in bytes."""
     arch = Architecture.of(model_config)
-    rollout = rollout_rank(cfg, derived, arch)
+    reward = reward_model(cfg)
+    rollout = rollout_rank(cfg, derived, arch, reward)
     learner = learner_rank(cfg, derived, arch, with_reference=with_reference)
+    single = one_process(cfg, arch, rollout, learner["device"]) if derived.world_size == 1 else None
+    # Each rank's own device, or with one process the one device both roles share.
+    device_total = single["total"] if single else max(rollout["total"], learner["device"]["total"])
     ranks_per_node = derived.world_size  # one node: every rank shares the host
     # A rollout rank reads its weights one parameter at a time: as stored, in fp32 while quantized,
     # and its encoded bytes.
@@ -146,7 +203,7 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     node_host = derived.num_learner_ranks * learner["host"]["total"] + derived.num_rollout_ranks * rollout_host
     checkpoint = {"per_step": checkpoint_bytes(arch.params),
                   "per_learner_rank": 12 * math.ceil(arch.params / derived.num_learner_ranks)}
-    fits = None if device_memory is None else max(rollout["total"], learner["device"]["total"]) <= device_memory
+    fits = None if device_memory is None else device_total <= device_memory
     layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout + {derived.num_learner_ranks} "
               f"learner" if derived.world_size > 1 else "1 process (both roles)")
     plan_engine = {"rollout_engine": cfg.model.rollout_engine}
@@ -154,8 +211,9 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
         import engine_vllm
 
         plan_engine["vllm"] = engine_vllm.engine_memory(rollout, device_memory)
-    return {**plan_engine, "model": {"params": arch.params}, "layout": layout, "rollout_rank": rollout,
-            "rollout_rank_host_at_start": rollout_host, "learner_rank": learner,
+    return {**plan_engine, "model": {"params": arch.params}, "layout": layout, "reward_model": reward,
+            "rollout_rank": rollout, "rollout_rank_host_at_start": rollout_host, "learner_rank": learner,
+            "one_process": single,
             "node_host_total": node_host, "ranks_per_node": ranks_per_node, "checkpoint": checkpoint,
             "device_memory": device_memory, "fits": fits}
 
@@ -163,6 +221,21 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
 def biggest_overflow(plan: dict[str, Any]) -> Optional[str]:
     """'ROLE ITEM (SIZE) of TOTAL against DEVICE' for the rank that does not fit, or None."""
     memory = plan["device_memory"]
+    single = plan["one_process"]
+    if single is not None:
+        if memory is None or single["total"] <= memory:
+            return None
+        # The biggest item of the peak moment, named by role, as both roles share the device.
+        learner, rollout = plan["learner_rank"]["device"], plan["rollout_rank"]
+        if single["peak_at"] == "steady state":
+            items = {**{f"learner {k}": v for k, v in learner.items() if k != "total"},
+                     **{f"rollout {k}": v for k, v in rollout.items() if k != "total"}}
+        else:
+            items = {"learner params": learner["params"], "fp32 rollout copy": single["fp32_rollout_copy"]}
+        item = max(items, key=items.get)
+        return (f"one process (both roles) needs {single['total'] / GIB:.1f} GiB of device memory at its peak "
+                f"({single['peak_at']}), {memory / GIB:.1f} GiB available; the biggest item is {item} "
+                f"({items[item] / GIB:.1f} GiB)")
     for role, items in (("learner rank", plan["learner_rank"]["device"]), ("rollout rank", plan["rollout_rank"])):
         if memory is not None and items["total"] > memory:
             item = max((k for k in items if k != "total"), key=items.get)
@@ -211,10 +284,20 @@ def table(plan: dict[str, Any], notes: list[str]) -> str:
         lines.append(f"  vLLM engine: weights {gib(rollout['weights']).strip()}, KV cache "
                      f"{gib(vllm['kv_cache_memory_bytes']).strip()} (kv_cache_memory_bytes on CPU; "
                      f"gpu_memory_utilization {share if share is not None else 'unknown'} on a device)")
+    reward = plan["reward_model"]
+    if reward is not None and reward["bytes"] is None:
+        lines.append(f"  {'reward_model':<16} not counted: {reward['path']} has no config.json (nor in the fit)")
     lines.append(f"rollout rank (host, at start-up): {gib(plan['rollout_rank_host_at_start']).strip()}")
     for where in ("device", "host"):
         lines.append(f"learner rank ({where}):")
         lines += [f"  {k:<16} {gib(v)}" for k, v in learner[where].items()]
+    single = plan["one_process"]
+    if single is not None:
+        lines.append("one process, both roles on one device:")
+        lines += [f"  {k:<16} {gib(single[k])}" for k in ("learner", "rollout", "steady_state")]
+        lines.append(f"  {'start_up':<16} {gib(single['start_up'])}  (learner params + "
+                     f"{single['fp32_rollout_copy'] / GIB:.2f} GiB fp32 rollout copy)")
+        lines.append(f"  {'peak':<16} {gib(single['total'])}  at {single['peak_at']}")
     lines += [f"host memory per node: {gib(plan['node_host_total'])}",
               f"checkpoint: {gib(plan['checkpoint']['per_step'])} per step, "
               f"{gib(plan['checkpoint']['per_learner_rank'])} written by each learner rank"]

@@ -176,16 +176,15 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
     rows = 0 if batch is None else batch.prompt_ids.shape[0]
     width_p = 0 if batch is None else batch.prompt_ids.shape[1]
     width_r = 0 if batch is None else batch.response_ids.shape[1]
-    header = torch.tensor([rows, width_p, width_r, *header_values], dtype=torch.float64, device=device)
-    headers = [torch.zeros_like(header) for _ in range(layout.num_rollout + 1)]
-    dist.all_gather(headers, header, group=groups.sync)
-    table = torch.stack(headers[:-1]).cpu()  # the lead's own header (last in the group) is padding
+    # The lead's own header (last in the group) is padding.
+    table = all_gather_float64([rows, width_p, width_r, *header_values], groups.sync, device)[:-1]
     max_rows, max_p, max_r = (int(table[:, i].max()) for i in range(3))
     if batch is None:
         batch = SampleBatch.empty(group_size)
     longs, floats = (t.to(device) for t in pack(batch, max_p, max_r, max_rows))
-    long_list = [torch.zeros_like(longs) for _ in headers] if layout.is_lead else None
-    float_list = [torch.zeros_like(floats) for _ in headers] if layout.is_lead else None
+    members = layout.num_rollout + 1
+    long_list = [torch.zeros_like(longs) for _ in range(members)] if layout.is_lead else None
+    float_list = [torch.zeros_like(floats) for _ in range(members)] if layout.is_lead else None
     dist.gather(longs, long_list, dst=dst, group=groups.sync)
     dist.gather(floats, float_list, dst=dst, group=groups.sync)
     if not layout.is_lead:
@@ -245,11 +244,22 @@ def broadcast_samples(batch: Optional[SampleBatch], src: int, group: dist.Proces
     return unpack(longs, floats, rows, width_p, width_r, group_size)
 
 
+def all_gather_float64(values: Sequence[float], group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """[group size, len(values)] on the host: every rank's values, in group order, in float64.
+
+    They travel as their bits in int64: HCCL (Atlas A2/A3) takes no float64 in its collectives,
+    and float32 would round token counts and sums of many values."""
+    bits = torch.tensor(list(values), dtype=torch.float64).view(torch.int64).to(device)
+    gathered = [torch.empty_like(bits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, bits, group=group)
+    return torch.stack(gathered).cpu().view(torch.float64)
+
+
 def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    """The float64 sums over the group: gathered, then added on the host in group order, so every
+    rank gets the same bits."""
     wait_for_group(group)
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, group=group)
-    return tensor.cpu().tolist()
+    return all_gather_float64(values, group, device).sum(dim=0).tolist()
 
 
 # ----- weights: lead learner -> rollout ranks, in buckets ---------------------------------------
@@ -349,9 +359,7 @@ def all_reduce_tensor(tensor: torch.Tensor, group: dist.ProcessGroup, device: to
 
 
 def all_reduce_max(value: float, group: dist.ProcessGroup, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return float(tensor.item())
+    return max(all_gather_float64([value], group, device)[:, 0].tolist())
 
 
 _ATTEMPT_STORE_KEY = "ranks.attempt_store"

@@ -80,14 +80,27 @@ def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str,
     return saved
 
 
+# What an earlier run leaves that a fresh start would replace or delete.
+EARLIER_OUTPUT = ("metrics.csv", "completions.jsonl", "curves.png", "tensorboard")
+
+
+def earlier_output(output_dir: Path) -> list[str]:
+    return [name for name in EARLIER_OUTPUT if (output_dir / name).exists()]
+
+
 def prepare_output_dir(output_dir: Path, *, overwrite: bool, resuming: bool, create: bool) -> None:
-    """Refuse to overwrite checkpoints (every rank checks; only ``create`` changes anything)."""
+    """Refuse to overwrite checkpoints or an earlier run's output; only ``create`` (the lead)
+    changes anything. Every rank checks the checkpoints; the earlier output only the lead, which
+    writes it: another rank starting late could see what this run has begun to write."""
     root = output_dir / "checkpoints"
     if (complete_steps(root) or incomplete_steps(root)) and not overwrite and not resuming:
         raise UserError(f"output_dir {output_dir} already holds checkpoints; pass --resume_from_checkpoint auto to "
                         f"continue or --overwrite_output_dir true to start over")
     if not create:
         return
+    if (found := earlier_output(output_dir)) and not overwrite and not resuming:
+        raise UserError(f"output_dir {output_dir} already holds an earlier run's {', '.join(found)}; pass "
+                        f"--overwrite_output_dir true to replace it, or choose another output_dir")
     if overwrite and not resuming:
         for stale in (root, output_dir / "metrics.csv"):
             if stale.is_dir():

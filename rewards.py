@@ -4,7 +4,9 @@ A rule scores one decoded response (text without special tokens) against the pro
 reference answer. Rules may raise on output they cannot parse; `score_with_rule` turns every
 such failure into the rule's "wrong" score and counts it, so a reward never raises on what a
 model wrote (REFERENCE.md §1). A reward model (`RewardModelScorer`) scores prompt + response
-by its single logit. Overlong reward shaping is not applied here: the trainer adds it.
+by its single logit; on a rollout rank (`RewardModelScorer.for_rollout`) it is loaded straight
+onto the rank's device in the rollout's compute dtype, frozen, and counted by the memory plan
+at that dtype. Overlong reward shaping is not applied here: the trainer adds it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 
 from config import UserError
+from device import ROLLOUT_COMPUTE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +287,13 @@ def score_with_rule(rule: RewardRule, responses: list[str], answers: list[str | 
 # Reward model
 
 
+def reward_model_dtype(rollout_dtype: str) -> torch.dtype:
+    """The dtype a rollout rank holds its reward model in: the rollout's compute dtype (bf16
+    for bf16 and FP8 rollouts, fp32 only for an fp32 rollout). In fp32 a 7B reward model would
+    take 28 GB of every rollout rank's device; memory_plan counts it at this dtype."""
+    return ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+
+
 class RewardModelScorer:
     """AutoModelForSequenceClassification with num_labels=1; scores prompt+response by its logit.
 
@@ -316,8 +326,10 @@ class RewardModelScorer:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "right"
 
+        # Read straight onto the device in ``dtype``: never a full-precision copy on the host
+        # (six rollout ranks share one), nor one on the device before the cast.
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_path, config=config, dtype=dtype, local_files_only=True
+            model_path, config=config, dtype=dtype, device_map={"": torch.device(device)}, local_files_only=True
         )
         # The model finds each sequence's last real token by comparing ids with this pad id;
         # unset, it refuses batches, and a different id would read a logit off padding.
@@ -326,9 +338,15 @@ class RewardModelScorer:
         model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
 
         self.tokenizer = tokenizer
-        self.model = model.to(device).eval()
+        self.model = model.eval().requires_grad_(False)  # frozen: scoring never builds a graph
         self.device = torch.device(device)
         self.batch_size = batch_size
+
+    @classmethod
+    def for_rollout(cls, model_path: str, rollout_dtype: str, device: torch.device | str,
+                    batch_size: int = 16) -> "RewardModelScorer":
+        """The reward model of a rollout rank: on its device, in the rollout's compute dtype."""
+        return cls(model_path, device=device, dtype=reward_model_dtype(rollout_dtype), batch_size=batch_size)
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str]) -> Scored:

@@ -85,12 +85,14 @@ class GroupPool:
         return taken
 
 
-def make_reward_source(reward_fn: str, reward_model: Optional[str], device: torch.device) -> RewardSource:
-    """A reward model when one is configured (the article's setup), else the named rule."""
+def make_reward_source(reward_fn: str, reward_model: Optional[str], device: torch.device,
+                       rollout_dtype: str) -> RewardSource:
+    """A reward model when one is configured (the article's setup), in the rollout's compute
+    dtype, else the named rule."""
     from rewards import RewardModelScorer, resolve_rule, score_with_rule
 
     if reward_model:
-        scorer = RewardModelScorer(reward_model, device=device)
+        scorer = RewardModelScorer.for_rollout(reward_model, rollout_dtype, device)
         return RewardSource(lambda prompts, responses, answers: scorer(prompts, responses), has_correct=False)
     rule = resolve_rule(reward_fn)
     return RewardSource(lambda prompts, responses, answers: score_with_rule(rule, responses, answers),
@@ -270,7 +272,8 @@ class Rollout:
         self.val_batch_size = math.ceil(cfg.rollout.prompts_per_step / self.num_shards) * cfg.rollout.sample_num
         self.weight_version = 0
         self.worker = RolloutWorker(
-            engine, tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device),
+            engine, tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device,
+                                                  cfg.model.rollout_dtype),
             stop_ids=stop_ids(cfg, tokenizer),
             max_response_length=cfg.rollout.max_response_length,
             sampling=Sampling(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 import ckpt
 import dapo_loss
@@ -26,9 +27,9 @@ import dry_run
 import memory_plan
 import resuming
 import stopping
-from config import Config, Derived, Schedule, UserError, load_config, split_inspection, warnings_for
+from config import Config, Derived, Schedule, UserError, load_config, split_inspection, uses_fsdp, warnings_for
 from data_prep import load_run_inputs
-from device import Platform, seed_everything, select_platform, write_env_report
+from device import Platform, experts_implementation, seed_everything, select_platform, write_env_report
 from learner import Learner, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum, at_step,
@@ -38,6 +39,16 @@ from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, build_e
 from samples import SampleBatch
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
+
+
+def one_process_groups(backend: str) -> Groups:
+    """The groups of a one-process run whose learner runs under FSDP2 (config.uses_fsdp): this
+    process alone, over an in-process store, so nothing listens on a port. The world lasts until
+    leave_world; another Trainer in this process (the tests make many) shares it."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    # Checkpoint writer threads get a gloo group of their own, as in a torchrun job (init_groups).
+    return Groups(learners=dist.group.WORLD, sync=None, checkpoint=dist.new_group([0], backend="gloo"))
 
 
 class Trainer:
@@ -67,6 +78,8 @@ class Trainer:
         saved = resume and resuming.check_resumable(resume, self.fingerprint, cfg.flat(), warn if lead else quiet)
         self.step, self.first_generation_step = 0, 1
         self.schedule = Schedule(cfg.run, has_val_set=self.val_set is not None)
+        if self.single and groups is None and uses_fsdp(cfg, num_learners=1):
+            self.groups = groups = one_process_groups(plat.backend)
         self.learner = Learner(cfg, plat, derived, layout, groups, resume) if layout.is_learner else None
         self.rollout = None
         if self.single or not layout.is_learner:
@@ -268,13 +281,16 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         for message in warnings_for(cfg) if lead else []:
             warn(message)  # "no val_dataset" among them
         out = Path(cfg.run.output_dir)
+        # A job torchrun restarted after a crash continues its own output, checkpoint or not.
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         resume = resuming.find_resume_checkpoint(
-            out, cfg.run.resume_from_checkpoint, restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
+            out, cfg.run.resume_from_checkpoint, restarted=restarted,
             warn=warn if lead else quiet, log=log if lead else quiet)
         resuming.prepare_output_dir(out, overwrite=cfg.run.overwrite_output_dir, create=lead,
-                                    resuming=cfg.run.resume_from_checkpoint is not None or resume is not None)
+                                    resuming=cfg.run.resume_from_checkpoint is not None or resume is not None or restarted)
         role = "rollout+learner" if world_size == 1 else layout.role + " (lead)" * lead
-        log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} backend={plat.backend}")
+        log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} "
+            f"backend={plat.backend} moe_experts={experts_implementation(plat.kind)}")
         stopping.watch(layout, out)  # Ctrl-C and SIGTERM end the run with one line from here on
         if world_size > 1:
             plat.bind()

@@ -326,7 +326,7 @@ def test_a_dcp_write_on_a_full_disk_is_named_in_one_line():
         # Raised afterwards, as DCP's coordinator does: nothing but its failures leads to the OSError.
         raise CheckpointException("ranks:dict_keys([0])", {0: (failure, traceback.extract_tb(failure.__traceback__))})
 
-    writer = ckpt.BackgroundWriter()
+    writer = ckpt.BackgroundWriter(bind_device=lambda: None)
     writer.start("save-3", dcp_save)
     with pytest.raises(ckpt.CheckpointError) as failure:
         writer.wait()

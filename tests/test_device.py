@@ -104,3 +104,32 @@ def test_importing_library_modules_writes_nothing_and_starts_no_group(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind, backend, kernel", [("npu", "hccl", "eager"), ("cuda", "nccl", "grouped_mm"),
+                                                   ("cpu", "gloo", "grouped_mm")])
+def test_moe_experts_run_the_kernel_their_platform_has(demo_assets, kind, backend, kernel):
+    """torch_npu lists no _grouped_mm: a model built to compute on an NPU runs its experts eager
+    (here on the CPU, where both kernels exist), elsewhere grouped_mm."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_weights import empty_model
+    from learner import fill_from_files
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ran = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ran.add(func)
+            return func(*args, **(kwargs or {}))
+
+    plat = device.Platform(kind, backend)
+    model = empty_model(demo_assets / "model", "cpu", torch.float32, computes_on=plat.kind)
+    fill_from_files(model, demo_assets / "model")
+    assert model.config._experts_implementation == kernel
+    with Ops() as ops:
+        logits = model(input_ids=torch.randint(3, 90, (2, 8))).logits
+    assert torch.isfinite(logits).all()
+    assert (torch.ops.aten._grouped_mm.default in ops.ran) == (kernel == "grouped_mm")

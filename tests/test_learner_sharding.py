@@ -1,13 +1,16 @@
 """Learners that hold only their shards, under torchrun (1 rollout + 2 learner ranks) on a model
 wide enough (~13M parameters, 52 MB in fp32) for a whole fp32 copy to stand out: offload on and
 off give the same run, the lead learner holds no whole copy of the weights, and the Hugging Face
-export is the same whether the run or ``python ckpt.py export`` writes it."""
+export is the same whether the run or ``python ckpt.py export`` writes it. And, in this process
+on a one-rank mesh, when FSDP2 gathers the root's parameters."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tests.test_ranks import metrics_rows, torchrun
 
@@ -150,3 +153,39 @@ def test_the_export_is_written_from_the_shards_and_the_command_writes_the_same(r
     assert proc.returncode == 0, proc.stderr
     _, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)  # one 52 MB file
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_the_root_stays_gathered_from_forward_to_backward_unless_frozen(demo_assets):
+    """The root's own parameters (embeddings, final norm, lm_head) are gathered once per micro-batch:
+    after the forward they are still whole (FSDP2 registers the unsharded tensors) for the backward,
+    which needs them first, while each layer is sharded again. The frozen KL reference has no
+    backward, so its root shards again at once instead of staying gathered all run."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    from learner import build_model, fill_from_files
+
+    def gathered(module: torch.nn.Module) -> bool:
+        return not any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+
+    path = demo_assets / "model"
+    if dist.is_initialized():  # a one-process bf16 Trainer of an earlier test keeps its world
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        policy, reference = (build_model(path, torch.device("cpu"), mesh, learner_dtype="bf16", frozen=frozen)
+                             for frozen in (False, True))
+        for model in (policy, reference):
+            fill_from_files(model, path)
+        ids = torch.randint(3, 90, (2, 8))
+        loss = policy(input_ids=ids).logits.float().logsumexp(-1).sum()
+        assert gathered(policy.model.embed_tokens) and gathered(policy.model.norm)
+        assert not gathered(policy.model.layers[0].self_attn.q_proj)
+        loss.backward()
+        assert not gathered(policy.model.embed_tokens)  # sharded again once its gradient is reduced
+        with torch.no_grad():
+            reference(input_ids=ids)
+        assert not gathered(reference.model.embed_tokens) and not gathered(reference.model.norm)
+    finally:
+        dist.destroy_process_group()

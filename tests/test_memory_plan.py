@@ -9,7 +9,7 @@ import pytest
 
 import train_dapo
 from config import Derived, load_config
-from memory_plan import make_plan
+from memory_plan import biggest_overflow, make_plan, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,6 +70,99 @@ def test_the_demo_models_plan_is_the_hand_computed_one(demo_assets, tmp_path):
             [device["params"], 4 * shard, 8 * shard]
 
 
+DEMO_SHAPE = ["--prompts_per_step", "6", "--sample_num", "8", "--max_prompt_length", "64",
+              "--max_response_length", "8", "--per_device_batch_size", "8", "--gradient_accumulation_steps", "1"]
+
+
+def reward_model_hand_count(c) -> int:
+    """Parameters of a Qwen3 sequence-classification config written out: no lm_head, a score head."""
+    assert not c["attention_bias"] and not c["tie_word_embeddings"]
+    hidden, head_dim, heads, kv_heads = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 2 * head_dim  # q, o; k, v; q/k norms
+    layer = attention + 3 * hidden * c["intermediate_size"] + 2 * hidden  # gate, up, down; two layer norms
+    return c["num_hidden_layers"] * layer + c["vocab_size"] * hidden + hidden + hidden * len(c["id2label"])
+
+
+def test_a_reward_model_is_counted_on_each_rollout_rank_in_the_rollouts_compute_dtype(demo_assets, tmp_path):
+    from transformers import AutoConfig
+
+    from tests.test_rewards import _save_tiny_reward_model
+
+    reward_model = _save_tiny_reward_model(tmp_path / "reward_model")
+    params = reward_model_hand_count(json.loads((tmp_path / "reward_model" / "config.json").read_text()))
+    assert params == 1 * (2 * 32 * 32 + 2 * 32 * 16 + 16 + 3 * 32 * 64 + 64) + 103 * 32 + 32 + 32  # 11,024
+    model_config = AutoConfig.from_pretrained(demo_assets / "model")
+    for rollout_dtype, bytes_per_param in (("bf16", 2), ("fp8", 2), ("fp32", 4)):  # FP8 rollout computes in bf16
+        argv = ["--model_path", str(demo_assets / "model"), "--rollout_dtype", rollout_dtype, *DEMO_SHAPE]
+        without = make_plan(load_config(argv), Derived.of(load_config(argv), 8), model_config, None,
+                            with_reference=False)
+        cfg = load_config(argv + ["--reward_model", reward_model])
+        plan = make_plan(cfg, Derived.of(cfg, 8), model_config, None, with_reference=False)
+        rollout = plan["rollout_rank"]
+        assert plan["reward_model"]["params"] == params
+        assert rollout["reward_model"] == params * bytes_per_param
+        assert rollout["total"] == without["rollout_rank"]["total"] + params * bytes_per_param
+        assert plan["learner_rank"] == without["learner_rank"]  # the learners never load it
+        # A device with room for the rollout rank's policy side but not for its reward model too.
+        tight = make_plan(cfg, Derived.of(cfg, 8), model_config, rollout["total"] - 1, with_reference=False)
+        assert tight["fits"] is False and biggest_overflow(tight).startswith("a rollout rank needs")
+        # One process holds it too, on its one device.
+        single = make_plan(cfg, Derived.of(cfg, 1), model_config, None, with_reference=False)
+        assert single["rollout_rank"]["reward_model"] == params * bytes_per_param
+        assert single["one_process"]["steady_state"] == single["learner_rank"]["device"]["total"] + \
+            single["rollout_rank"]["total"]
+
+
+def test_a_reward_model_folder_without_a_config_is_said_to_be_left_out(demo_assets, tmp_path):
+    from transformers import AutoConfig
+
+    cfg = load_config(["--model_path", str(demo_assets / "model"), "--reward_model", str(tmp_path / "absent"),
+                       *DEMO_SHAPE])
+    plan = make_plan(cfg, Derived.of(cfg, 8), AutoConfig.from_pretrained(demo_assets / "model"), None,
+                     with_reference=False)
+    assert plan["reward_model"]["bytes"] is None and "reward_model" not in plan["rollout_rank"]
+    assert f"reward_model     not counted: {tmp_path / 'absent'} has no config.json" in table(plan, [])
+
+
+def test_one_process_holds_the_learner_and_the_rollout_on_one_device_and_plans_the_fp32_copy(demo_assets):
+    from transformers import AutoConfig
+
+    c = json.loads((demo_assets / "model" / "config.json").read_text())
+    counted = hand_count(c)
+    params, rotary_buffers = counted["params"], 2 * c["head_dim"] // 2 * 4
+    experts, hidden, inter = c["num_local_experts"], c["hidden_size"], c["moe_intermediate_size"]
+    largest = max(experts * 2 * inter * hidden, c["vocab_size"] * hidden)  # fused gate_up experts, or the embedding
+    model_config = AutoConfig.from_pretrained(demo_assets / "model")
+    for rollout_dtype, kl in (("fp32", "0"), ("bf16", "0.1"), ("fp8", "0")):
+        cfg = load_config(["--model_path", str(demo_assets / "model"), "--rollout_dtype", rollout_dtype,
+                           "--kl_coef", kl, *DEMO_SHAPE])
+        plan = make_plan(cfg, Derived.of(cfg, 1), model_config, None, with_reference=kl != "0")
+        learner, rollout, single = plan["learner_rank"]["device"], plan["rollout_rank"], plan["one_process"]
+        # The learner (bf16, so FSDP2 over its one rank): fp32 weights (and the KL reference, bf16 as
+        # FSDP2 computes in bf16), gradients and AdamW, then the larger of the activations (an
+        # estimate) and AdamW's one-shard temporary.
+        weights = 4 * params + (2 * params if kl != "0" else 0)
+        learner_total = weights + 4 * params + 8 * params + max(learner["activations"], 4 * params)
+        # The rollout side: every sequence of the step on this one device (6 x 8 of 64 + 8 tokens).
+        compute = 4 if rollout_dtype == "fp32" else 2
+        rollout_weights = {"fp32": 4 * params, "bf16": 2 * params, "fp8": counted["fp8_bytes"] + rotary_buffers}
+        kv_cache = 48 * 72 * 2 * 2 * 2 * 16 * compute
+        rollout_total = rollout_weights[rollout_dtype] + kv_cache + rollout["activations"]
+        assert (learner["params"], learner["total"], rollout["total"]) == (weights, learner_total, rollout_total)
+        # Steady state: both roles together. Start-up: the learner's weights and the rollout copy's fp32
+        # copy of the policy, one parameter of which is cast beside its original (the fp32 copy is
+        # the rollout copy itself when the rollout is fp32).
+        steady = learner_total + rollout_total
+        start_up = weights + 4 * params + (0 if rollout_dtype == "fp32" else largest * compute)
+        assert (single["steady_state"], single["start_up"]) == (steady, start_up)
+        assert single["total"] == max(steady, start_up) == steady and single["peak_at"] == "steady state"
+        # Each role would fit the device alone; both on it do not.
+        tight = make_plan(cfg, Derived.of(cfg, 1), model_config, steady - 1, with_reference=kl != "0")
+        assert max(learner_total, rollout_total) <= steady - 1 and tight["fits"] is False
+        assert biggest_overflow(tight).startswith("one process (both roles) needs")
+        assert make_plan(cfg, Derived.of(cfg, 1), model_config, steady, with_reference=kl != "0")["fits"] is True
+
+
 def plan_30b(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
     config = ROOT / "configs" / "models" / "qwen3-30b-a3b"
     start = time.monotonic()
@@ -112,6 +205,7 @@ def test_without_offload_the_30b_plan_says_the_learners_need_it(tmp_path):
 def test_a_run_that_cannot_fit_is_refused_naming_the_biggest_item(demo_argv, tmp_path, capsys):
     assert train_dapo.main(demo_argv + ["--device_memory_gb", "0.001"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: the memory plan does not fit: a learner rank needs")
+    # One process: both roles on one device, so the message is about the process, not one role.
+    assert len(err) == 1 and err[0].startswith("error: the memory plan does not fit: one process (both roles) needs")
     assert "the biggest item is" in err[0]
     assert not (tmp_path / "run").exists()

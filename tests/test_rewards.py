@@ -336,6 +336,23 @@ def test_reward_model_falls_back_to_eos_for_padding(tiny_reward_model, tmp_path)
     torch.testing.assert_close(torch.tensor(scorer(PROMPTS, RESPONSES).scores), torch.tensor(reference), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("rollout_dtype, expected", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
+                                                    ("fp32", torch.float32)])
+def test_a_rollout_ranks_reward_model_is_frozen_in_the_rollouts_compute_dtype(tiny_reward_model, rollout_dtype,
+                                                                             expected):
+    # FP8 rollout computes in bf16, so its reward model is bf16 too; fp32 only beside an fp32 rollout.
+    scorer = RewardModelScorer.for_rollout(tiny_reward_model, rollout_dtype, device="cpu")
+    parameters = list(scorer.model.parameters())
+    assert {p.dtype for p in parameters} == {expected}
+    assert {p.device for p in parameters} == {torch.device("cpu")}
+    assert not scorer.model.training and not any(p.requires_grad for p in parameters)
+    # Still the same scores, to the precision of the dtype (bf16 keeps 8 bits of mantissa).
+    reference = RewardModelScorer(tiny_reward_model)(PROMPTS, RESPONSES).scores
+    scores = scorer(PROMPTS, RESPONSES).scores
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(reference), rtol=0,
+                               atol=0.05 if expected == torch.bfloat16 else 1e-6)
+
+
 def test_reward_model_with_two_labels_is_refused(tmp_path):
     path = _save_tiny_reward_model(tmp_path, num_labels=2)
     with pytest.raises(ValueError, match=f"{path} has num_labels=2"):

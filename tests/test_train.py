@@ -73,6 +73,18 @@ def test_existing_checkpoints_are_not_overwritten(demo_argv, tmp_path, capsys):
     assert (tmp_path / "run" / "metrics.csv").read_bytes() == before
 
 
+def test_an_earlier_runs_output_without_checkpoints_is_not_replaced(demo_argv, tmp_path, capsys):
+    """save_every 0 (or a crash before the first save) leaves metrics and curves but no checkpoint."""
+    argv = demo_argv + ["--max_steps", "1", "--save_every", "0", "--val_every", "0"]
+    assert train_dapo.main(argv) == 0
+    out = tmp_path / "run"
+    before = {name: (out / name).read_bytes() for name in ("metrics.csv", "completions.jsonl")}
+    assert train_dapo.main(argv) == 2
+    assert "already holds an earlier run's metrics.csv, completions.jsonl" in capsys.readouterr().err
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert train_dapo.main(argv + ["--overwrite_output_dir", "true"]) == 0
+
+
 def readme_example() -> str:
     """The subclassing example of README.md, as a user would copy it."""
     text = (ROOT / "README.md").read_text()

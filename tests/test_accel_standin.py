@@ -95,7 +95,7 @@ def test_each_injected_mistake_is_caught(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     findings = json.loads((tmp_path / "audit_rank0.json").read_text())["findings"]
     caught = {(f["kind"], f["site"].split(":")[0]) for f in findings}
-    assert ("gen", "rollout.py") in caught  # a host generator for device probabilities
+    assert ("gen", "engine_builtin.py") in caught  # a host generator for device probabilities (the decode loop)
     assert ("mix", "dapo_loss.py") in caught  # host advantages in the loss
     assert ("coll", "ranks.py") in caught  # a host tensor into the HCCL group
     assert any(f["kind"] == "coll" and "float64" in f["what"] for f in findings)  # HCCL reduces no float64

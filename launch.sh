@@ -39,8 +39,8 @@ setup() {
     torch_version=$("$py" -c 'import torch; print(torch.__version__)')
   fi
   echo "torch==$torch_version" > "$constraints"
-  # The extras the demo (tensorboard) and the tests (tensorboard, math-verify) use.
-  "$py" -m pip install -q -c "$constraints" -e ".[dev,tensorboard,math]"
+  # The extras the demo (tensorboard) and the tests (tensorboard, wandb, math-verify) use.
+  "$py" -m pip install -q -c "$constraints" -e ".[dev,tensorboard,wandb,math]"
   rm -f "$constraints"
   touch "$stamp"
 }

@@ -272,9 +272,8 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    # Readable as the umask says, like the run's other files (safetensors alone makes it 0600).
+    hf_weights.save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path)
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

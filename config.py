@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import json
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, TextIO
 
 import yaml
 
@@ -325,6 +329,12 @@ def split_inspection(argv: list[str]) -> tuple[list[str], Optional[str], Optiona
     return rest, asked[0][2:], int(given) if given else int(os.environ.get("WORLD_SIZE", "8"))
 
 
+# What report_to takes: csv (metrics.csv, always written: checkpoints keep it), console (verl's
+# name for the console line, always printed), tensorboard and wandb (optional extras), none
+# (neither extra).
+REPORTERS = ("csv", "console", "tensorboard", "wandb", "none")
+
+
 def validate(cfg: Config) -> None:
     """Reject values no run can use; each message names the key and the allowed range."""
     checks = [
@@ -355,8 +365,10 @@ def validate(cfg: Config) -> None:
         (cfg.run.hf_export_file_mb >= 1, "hf_export_file_mb must be >= 1"),
         (cfg.run.log_every >= 1 and cfg.run.val_every >= 0, "log_every must be >= 1 and val_every >= 0"),
         (cfg.run.log_completions >= 0, "log_completions must be >= 0 (0 = off)"),
-        (set(cfg.run.report_to) <= {"csv", "tensorboard"},
-         f"report_to takes csv and tensorboard, got {cfg.run.report_to}"),
+        (set(cfg.run.report_to) <= set(REPORTERS),
+         f"report_to takes {', '.join(REPORTERS)}, got {cfg.run.report_to}"),
+        ("none" not in cfg.run.report_to or len(set(cfg.run.report_to)) == 1,
+         f"report_to none means no reporter but the console and metrics.csv: give it alone, got {cfg.run.report_to}"),
         (cfg.run.dist_timeout_s > 0, "dist_timeout_s must be > 0"),
         (not (cfg.model.reward_model and cfg.rollout.dynamic_sampling_metric == "acc"),
          "dynamic_sampling_metric acc needs a rule reward (reward_fn); a reward_model has no notion of correct"),
@@ -364,6 +376,36 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+# The learning-rate warning: above HIGH_LR on a model of more than LARGE_MODEL_PARAMS parameters.
+HIGH_LR, LARGE_MODEL_PARAMS = 1e-5, 1e9
+
+
+def model_params(model_path: str) -> Optional[int]:
+    """The parameters of the model in ``model_path``, estimated from its config.json alone (no
+    weights, no torch): embeddings and lm_head, and per layer the attention projections and the
+    MLP or its experts and router; norms and biases, a rounding error, are left out. None when
+    there is no config.json or it lacks the sizes of a decoder-only transformer."""
+    try:
+        doc = json.loads((Path(model_path) / "config.json").read_text())
+        text = doc.get("text_config") or doc  # a multimodal config nests its language model
+        hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        experts = int(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0)
+        if experts:
+            expert = 3 * hidden * int(text.get("moe_intermediate_size") or text["intermediate_size"])
+            shared = 3 * hidden * int(text.get("shared_expert_intermediate_size") or 0)
+            mlp = experts * (expert + hidden) + shared
+        else:
+            mlp = 3 * hidden * int(text["intermediate_size"])
+        tied = bool(text.get("tie_word_embeddings", doc.get("tie_word_embeddings", False)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
+        return None
+    return vocab * hidden * (1 if tied else 2) + layers * (attention + mlp)
 
 
 def warnings_for(cfg: Config) -> list[str]:
@@ -376,8 +418,10 @@ def warnings_for(cfg: Config) -> list[str]:
         )
     if cfg.algo.clip_ratio_high < cfg.algo.clip_ratio_low:
         notes.append("clip_ratio_high < clip_ratio_low: this is the opposite of DAPO's clip-higher")
-    if cfg.optim.learning_rate > 1e-5 and "demo" not in cfg.model.model_path:
-        notes.append(f"learning_rate={cfg.optim.learning_rate:g} is high for RL on a large MoE model (article 5.4: ~1e-6)")
+    params = model_params(cfg.model.model_path) if cfg.optim.learning_rate > HIGH_LR else None
+    if params is not None and params > LARGE_MODEL_PARAMS:
+        notes.append(f"learning_rate={cfg.optim.learning_rate:g} is high for RL on a model of {params / 1e9:.1f}B "
+                     f"parameters (article 5.4: ~1e-6 for a large MoE model)")
     if cfg.algo.kl_coef_init is not None and cfg.algo.kl_warmup_steps == 0:
         notes.append("kl_coef_init is set but kl_warmup_steps is 0, so it is never used")
     if cfg.data.val_dataset is None and cfg.run.val_every:
@@ -399,8 +443,14 @@ class Derived:
 
     @staticmethod
     def of(cfg: Config, world_size: int) -> "Derived":
-        # At least one rank must roll out: 2 ranks with learner_ranks 2 run as 1 + 1.
-        learners = min(cfg.run.learner_ranks, world_size - 1) if world_size > 1 else 1
+        # One process runs both roles and ignores learner_ranks; W processes need a rollout rank
+        # besides the learner_ranks learners.
+        if world_size > 1 and cfg.run.learner_ranks > world_size - 1:
+            raise ConfigError(
+                f"learner_ranks {cfg.run.learner_ranks} needs at least {cfg.run.learner_ranks + 1} processes (the "
+                f"learners and a rollout rank), this job has {world_size}: set learner_ranks to at most "
+                f"{world_size - 1} or start more processes")
+        learners = cfg.run.learner_ranks if world_size > 1 else 1
         sequences = cfg.rollout.prompts_per_step * cfg.rollout.sample_num
         if cfg.model.learner_offload and world_size == 1:
             raise ConfigError("learner_offload needs a torchrun job: FSDP2 offloads over the learner ranks' process group")
@@ -461,3 +511,171 @@ class Schedule:
         one, so a finished run extended with a larger max_steps continues exactly."""
         return self.run.max_staleness > 0 and self.saves(self.run.max_steps)
 
+
+# ----- --help: the usage and every key, with its default and meaning --------------------------
+
+# One line per key, shown by --help under the key's section (choices of a Literal key are added).
+KEY_HELP: dict[str, str] = {
+    # model
+    "model_path": "Hugging Face model folder (config.json, tokenizer, safetensors weights); never downloaded",
+    "reward_model": "sequence-classification reward model folder; when set it scores responses instead of reward_fn",
+    "reward_fn": "rule reward: math_answer, math_verify (the math extra), demo_arithmetic, or module:function",
+    "rollout_dtype": "dtype of the rollout copy of the weights (fp8: README \"FP8 rollout\")",
+    "learner_dtype": "learner compute dtype (bf16: FSDP2 mixed precision over fp32 master weights)",
+    "gradient_checkpointing": "recompute activations in the backward pass",
+    "learner_offload": "keep the learners' parameters, gradients and AdamW state in host memory (needs torchrun)",
+    "eos_token_ids": "stop token ids besides the tokenizer's EOS, e.g. [151645, 151643] for Qwen3",
+    # data
+    "dataset": "training prompts: JSONL, JSON or Parquet",
+    "val_dataset": "validation prompts, same formats; null = no validation",
+    "prompt_key": "row field holding the prompt (a string or a list of chat messages)",
+    "answer_key": "row field holding the reference answer the reward reads",
+    "system_prompt": "system message put before every prompt that has none; null = none",
+    "max_prompt_length": "longest prompt in tokens; longer ones are handled as overlong_prompts says",
+    "overlong_prompts": "what happens to a prompt over max_prompt_length: dropped (counted) or cut on the left",
+    "skip_bad_rows": "skip and count malformed rows instead of stopping",
+    "bucket_size": "generation batches pad to their length bucket's bound, so shapes repeat",
+    # rollout
+    "max_response_length": "longest response in tokens",
+    "temperature": "sampling temperature for training responses",
+    "top_p": "nucleus sampling for training responses",
+    "sample_num": "responses per prompt (the group)",
+    "prompts_per_step": "informative groups trained on per step",
+    "dynamic_sampling": "DAPO dynamic sampling: keep only groups whose metric varies, generate more until full",
+    "dynamic_sampling_metric": "what must vary in a group: acc (right/wrong) or reward; auto = acc with a rule reward",
+    "max_gen_batches": "stop with an error after this many generation batches in one step (0 = no limit)",
+    "val_temperature": "validation temperature (0 = greedy)",
+    "val_top_p": "validation nucleus when val_temperature > 0",
+    "val_max_prompts": "validation prompts used (0 = the whole set)",
+    # algo
+    "clip_ratio_low": "clip epsilon below: the ratio floor is 1 - clip_ratio_low",
+    "clip_ratio_high": "clip epsilon above (DAPO clip-higher): the ratio ceiling is 1 + clip_ratio_high",
+    "clip_ratio_c": "dual-clip bound for negative advantages (> 1)",
+    "loss_agg_mode": "how token losses are averaged into the step's loss",
+    "norm_adv_by_std": "divide group advantages by the group's spread (false: Dr.GRPO)",
+    "kl_coef": "weight of the KL to the reference model (0 = no reference model is loaded)",
+    "kl_coef_init": "KL weight for the first kl_warmup_steps steps; null = kl_coef throughout",
+    "kl_warmup_steps": "training steps that use kl_coef_init",
+    "kl_type": "KL estimator",
+    "length_penalty_coef": "weight of the length penalty (REFERENCE.md section 5)",
+    "overlong_buffer_len": "DAPO soft overlong punishment: tokens before max_response_length where it starts (0 = off)",
+    "overlong_penalty_factor": "DAPO soft overlong punishment at max_response_length",
+    "entropy_coeff": "entropy bonus (entropy is always logged)",
+    "tis_cap": "truncated importance-sampling cap for rollout/learner mismatch (0 = off; 2.0 with FP8 rollout)",
+    # optim
+    "learning_rate": "AdamW learning rate (large MoE models: ~1e-6)",
+    "lr_warmup_steps": "linear warmup over this many training steps (as verl counts them)",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "gradient norm clip",
+    "per_device_batch_size": "sequences per micro-batch on a learner rank",
+    "gradient_accumulation_steps": "micro-batches per optimizer step",
+    "ppo_epochs": "passes over a step's samples",
+    # run
+    "config": "YAML file of settings (keys at the top level or under their section)",
+    "device": "auto picks npu, then cuda, then cpu; a device named but absent is refused",
+    "seed": "random seed (each rank adds its rank)",
+    "output_dir": "where the run writes metrics, checkpoints and the exported model",
+    "overwrite_output_dir": "start over in an output_dir that holds another run",
+    "max_steps": "training steps",
+    "log_every": "console line and completions.jsonl every this many steps",
+    "log_completions": "prompts per logged step written to completions.jsonl, with all responses (0 = off)",
+    "report_to": "csv (metrics.csv, always written), tensorboard, wandb (optional extras), console, or none",
+    "val_every": "validate every this many steps (0 = never)",
+    "save_every": "checkpoint every this many steps, and the last (0 = never)",
+    "keep_last": "complete checkpoints kept",
+    "hf_export_every": "Hugging Face weights in checkpoints of steps divisible by it (0 = the last step only)",
+    "hf_export_file_mb": "largest weight file of an export, MB",
+    "resume_from_checkpoint": "auto (the newest usable checkpoint in output_dir) or a step folder",
+    "learner_ranks": "learner ranks of a torchrun job (the others roll out; ignored with one process)",
+    "max_staleness": "1: rollout generates one step ahead of training; 0: synchronous",
+    "dist_timeout_s": "seconds a collective may wait for a silent peer",
+    "device_memory_gb": "GiB per device for the memory plan; null = what the device reports",
+    "weight_sync_bucket_mb": "size of the buckets weights are broadcast in, MB",
+    "length_alarm_steps": "steps of rising response length that fire alarm_length_rising",
+    "overfit_alarm_checks": "validations of falling val reward and rising train reward that fire alarm_overfit",
+}
+
+
+def _default_text(value: Any) -> str:
+    """A default as it would be written in YAML or on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # 1e-06, 0.28, 600.0: what YAML reads back as the same number
+    if isinstance(value, list):
+        return "[" + ", ".join(_default_text(item) for item in value) + "]"
+    return str(value)
+
+
+def default_texts() -> dict[str, str]:
+    """Every key's default, as --help prints it."""
+    return {name: _default_text(value) for name, value in Config().flat().items()}
+
+
+def usage(prog: str = "train_dapo.py") -> str:
+    return (f"usage: python {prog} --config FILE.yaml [--KEY VALUE ...]\n"
+            f"       torchrun --nproc_per_node=N {prog} --config FILE.yaml [--KEY VALUE ...]\n"
+            f"       python {prog} --config FILE.yaml [--KEY VALUE ...] (--plan | --dry_run) [WORLD_SIZE]\n"
+            f"       python {prog} --help\n")
+
+
+def help_text(prog: str = "train_dapo.py") -> str:
+    """The usage, the inspection flags and every config key, by section, with default and meaning."""
+    lines = [usage(prog),
+             "DAPO reinforcement learning. One process runs both roles; N processes under torchrun run",
+             "learner_ranks learner ranks and N - learner_ranks rollout ranks. Settings: the defaults below,",
+             "then the YAML file (--config), then --KEY VALUE (or --KEY=VALUE) on the command line. In the",
+             "YAML file a key may sit under its section's heading or at the top level. Values read as YAML",
+             "reads them: 1e-6, true, null, [1, 2].",
+             "",
+             "  --plan [WORLD_SIZE]     print what each rank will hold (OUTPUT_DIR/memory_plan.json) and exit",
+             "  --dry_run [WORLD_SIZE]  check the plan by tracing one learner step on fake tensors and exit",
+             "                          (WORLD_SIZE: torchrun's, else 8)",
+             "  -h, --help              this text",
+             ""]
+    defaults = default_texts()
+    width = max(len(name) for name in KEY_SECTION) + 2
+    for section in SECTIONS:
+        lines.append(f"{section}:")
+        for name, owner in KEY_SECTION.items():
+            if owner != section:
+                continue
+            meaning = KEY_HELP.get(name, "")
+            if typing.get_origin(_FIELD_TYPES[name]) is Literal:
+                meaning += f" [{' | '.join(typing.get_args(_FIELD_TYPES[name]))}]"
+            lines.append(f"  --{name:<{width}} {defaults[name]}")
+            lines.append(f"      {meaning}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def answer_usage(argv: list[str], prog: Optional[str] = None, out: Optional[TextIO] = None,
+                 err: Optional[TextIO] = None) -> Optional[int]:
+    """-h or --help: print the help to ``out`` (stdout), return 0. No arguments at all: the usage
+    to ``err`` (stderr), return 2 (a run needs at least its config). Otherwise None: go on."""
+    out, err = out or sys.stdout, err or sys.stderr
+    if prog is None:
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+        prog = script if script.endswith(".py") else "train_dapo.py"
+    if "-h" in argv or "--help" in argv:
+        out.write(help_text(prog))
+        out.flush()
+        return 0
+    if not argv:
+        err.write(usage(prog) + f"error: no arguments: give --config FILE.yaml and --KEY VALUE settings "
+                                f"(python {prog} --help lists every key)\n")
+        err.flush()
+        return 2
+    return None
+
+
+def answers_usage(main: Callable[..., int]) -> Callable[..., int]:
+    """Decorates an entry point ``main(argv, ...)`` so that -h/--help and an empty command line
+    are answered (:func:`answer_usage`) before it runs; a user's script calling it gets the same."""
+    @functools.wraps(main)
+    def entry(argv: list[str], *args: Any, **kwargs: Any) -> int:
+        status = answer_usage(argv)
+        return main(argv, *args, **kwargs) if status is None else status
+    return entry

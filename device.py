@@ -7,6 +7,7 @@ without CANN a stray torch_npu breaks even ``import torch`` (PLATFORM.md).
 from __future__ import annotations
 
 import base64
+import functools
 import importlib
 import json
 import os
@@ -132,15 +133,152 @@ def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
     return Platform("cpu", "gloo", local_rank)
 
 
-def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x @ W.T with W = values * scale[:, None] (FP8 values, one float32 scale per output row).
+# --- FP8 matmuls -------------------------------------------------------------------------------
+# fp8.py holds weights as float8_e4m3fn values V with one float32 scale s per output row:
+# W = V * s[:, None]. Every e4m3 value is exactly a bf16 (and fp32) value, so the matmuls below
+# convert V, exactly, into one reused workspace in the compute dtype, multiply there, and apply s
+# to the matmul's output rows in float32 (y = (x @ V.T) * s, rounded once more to x's dtype):
+# the weight-only FP8 scheme of W8A16 kernels, where the scale sits in the epilogue. Against
+# multiplying by bf16(V * s) (this build before) that moves where the rounding falls (float
+# noise, tests/test_fp8_kernels.py), converts 1 byte per weight instead of building an fp32 and
+# then a bf16 copy, and costs one multiply per output instead of one per weight.
 
-    Dequantized on the fly, in float32 then rounded once to x's dtype, which works on every
-    device. A native scaled FP8 GEMM (torch._scaled_mm on Hopper) would quantize x as well and
-    change the numbers; it belongs here, behind this signature, once a GPU run has measured it.
+# Every platform multiplies this way for now. Not written: a native scaled FP8 GEMM
+# (torch._scaled_mm / _scaled_grouped_mm on CUDA sm90+, torch_npu's npu_quant_matmul /
+# npu_grouped_matmul). It quantizes the activations to FP8 too, which changes the numbers well
+# beyond float noise, and nothing here can measure it (no GPU or NPU run; the CPU has no
+# _scaled_grouped_mm). It would go behind fp8_linear's and fp8_grouped_linear's signatures,
+# chosen per platform beside FP8_TO_COMPUTE, with these functions as the fallback.
+
+# How FP8 values become compute-dtype values, per platform. "bits" (CPU, bf16): integer ops
+# build the bf16 bit patterns, ~10x faster there than torch's float8 conversion, a scalar loop
+# on the CPU. "cast": torch's conversion (CUDA: a native kernel; NPU: the conversion this build
+# has always done there, as values.float() before).
+FP8_TO_COMPUTE = {"cpu": "bits", "cuda": "cast", "npu": "cast"}
+
+
+# One flat buffer per (device, dtype), as large as the largest FP8 weight converted so far, shared
+# by every FP8 layer of the process: layers run one after another, and each matmul has read its
+# weight before the next conversion overwrites it (the device runs a stream's kernels in order).
+# Its size is one weight, the largest: a layer's fused experts (Qwen3-30B-A3B's gate_up_proj,
+# 128 x 1536 x 2048 in bf16: 0.8 GB), never a bf16 copy of the model.
+_FP8_WORKSPACE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def free_fp8_workspace() -> None:
+    """Drop the conversion buffers (the next FP8 matmul allocates them again)."""
+    _FP8_WORKSPACE.clear()
+
+
+def _fp8_values_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool) -> torch.Tensor:
+    """``values`` (float8_e4m3fn) as ``dtype``, exactly, in the shared workspace (or, when an
+    autograd graph may keep it, ``reuse`` False, in a buffer of its own)."""
+    key, numel = (values.device, dtype), values.numel()
+    buffer = _FP8_WORKSPACE.get(key) if reuse else None
+    if buffer is None or buffer.numel() < numel:
+        if reuse:
+            _FP8_WORKSPACE.pop(key, None)  # free the smaller one before allocating
+        buffer = torch.empty(numel, dtype=dtype, device=values.device)
+        if reuse:
+            _FP8_WORKSPACE[key] = buffer
+    out = buffer[:numel].view(values.shape)
+    if dtype != torch.bfloat16 or FP8_TO_COMPUTE.get(values.device.type) != "bits":
+        return out.copy_(values)
+    # e4m3 sign|eeee|mmm -> bf16 sign|0000eeee|mmm0000: the int8 sign-extends into int16, the shift
+    # puts e and m under bf16's exponent and mantissa, the mask keeps the sign bit alone above
+    # them. That is V * 2^-120 (bf16's exponent bias is 127, e4m3's 7; e = 0, e4m3's subnormals,
+    # reads as bf16 subnormals with the same mantissa), and the power-of-two multiply is exact.
+    # Not NaN-preserving (e4m3's NaN, 0x7f, reads as 480; quantize() never writes it), and it
+    # relies on the CPU not flushing subnormals (torch's default; under
+    # torch.set_flush_denormal(True) e4m3's subnormals, |V| < 2^-6, would read as 0).
+    # The shift and the mask run on int32 words holding two codes (half the element operations);
+    # a code's bits shifted across into its neighbour's lane fall under the neighbour's mask.
+    bits = out.view(torch.int16)
+    bits.copy_(values.view(torch.int8))
+    if numel % 2 == 0:
+        bits.view(-1).view(torch.int32).bitwise_left_shift_(4).bitwise_and_(-0x780F7810)  # 0x87f087f0
+    else:
+        bits.bitwise_left_shift_(4).bitwise_and_(-0x7810)  # 0x87f0
+    return out.mul_(2.0 ** 120)
+
+
+def _reuse_workspace(x: torch.Tensor) -> bool:
+    """Whether a matmul on ``x`` may use the shared workspace: not when autograd would keep the
+    weight for a backward pass (the next layer overwrites it)."""
+    return not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W.T with W = values * scale[:, None] (FP8 values, one float32 scale per output row):
+    (x @ values.T) in x's dtype, then times the scales in float32, rounded to x's dtype."""
+    weight = _fp8_values_as(values, x.dtype, _reuse_workspace(x))
+    return torch.nn.functional.linear(x, weight).mul_(scale)
+
+
+# Rows of (token, expert) pairs whose output scales are gathered at once: bounds the float32
+# [rows, N] gather of a long prefill (S = tokens x top-k) to ~100 MB at N = 1536; a decode step
+# is one chunk.
+FP8_SCALE_CHUNK_ROWS = 16384
+
+
+def _scale_rows_(out: torch.Tensor, scale: torch.Tensor, expert_of_row: torch.Tensor,
+                 row_weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """out[i] *= scale[expert_of_row[i]] (* row_weight[i]), in float32, rounded to out's dtype."""
+    if row_weight is not None:
+        row_weight = row_weight.to(scale.dtype)
+    for start in range(0, out.shape[0], FP8_SCALE_CHUNK_ROWS):
+        part = slice(start, start + FP8_SCALE_CHUNK_ROWS)
+        factor = scale.index_select(0, expert_of_row[part])
+        if row_weight is not None:
+            factor.mul_(row_weight[part, None])
+        out[part].mul_(factor)
+    return out
+
+
+def fp8_grouped_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, offsets: Optional[torch.Tensor],
+                       expert_of_row: torch.Tensor, row_weight: Optional[torch.Tensor] = None,
+                       counts: Optional[list[int]] = None) -> torch.Tensor:
+    """Row i of ``x`` (rows sorted by expert) times its expert's W.T: [S, K] -> [S, N], with
+    ``values`` [E, N, K], ``scale`` [E, N], ``offsets`` [E] the int32 end of each expert's rows,
+    ``expert_of_row`` [S]; each output row also times ``row_weight`` (the routing weight) if given.
+
+    One grouped GEMM over every expert's converted weights (torch._grouped_mm, through
+    transformers' dispatcher: the kernel the bf16 experts run), no host read. With ``counts`` (the
+    rows of each expert, read on the host by the caller: platforms without _grouped_mm, long
+    prefills), one matmul per expert that has rows instead.
     """
-    weight = (values.float() * scale.float().unsqueeze(-1)).to(x.dtype)
-    return torch.nn.functional.linear(x, weight)
+    weight = _fp8_values_as(values, x.dtype, _reuse_workspace(x))
+    if counts is None:
+        out = _grouped_mm(x, weight.transpose(-2, -1), offsets)
+    else:
+        out, start = x.new_empty(x.shape[0], values.shape[1]), 0
+        for expert, rows in enumerate(counts):
+            if rows:
+                out[start:start + rows] = torch.nn.functional.linear(x[start:start + rows], weight[expert])
+            start += rows
+    return _scale_rows_(out, scale, expert_of_row, row_weight)
+
+
+def fp8_batched_linear(x: torch.Tensor, values: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """Every expert's W.T on every row: x [T, K] (the same rows for each expert) or [E, T, K]
+    -> [E, T, N], with ``values`` [E, N, K], ``scale`` [E, N] (None: x @ values.T, the scaling
+    left to the caller). No grouped GEMM, no host read."""
+    weight = _fp8_values_as(values, x.dtype, _reuse_workspace(x))
+    out = torch.matmul(x, weight.transpose(-2, -1))
+    return out if scale is None else out.mul_(scale.unsqueeze(-2))
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_kernel() -> Any:
+    try:  # transformers' dispatcher: torch's grouped kernel or its fallback, as the bf16 experts get
+        from transformers.integrations.moe import _grouped_mm
+        return _grouped_mm
+    except ImportError:  # a transformers without it
+        return torch._grouped_mm
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _grouped_mm_kernel()(x, weight, offs=offsets)
 
 
 def experts_implementation(device_type: str) -> str:

@@ -2,11 +2,11 @@
 linear layers and fused experts as ``float8_e4m3fn`` with one float32 scale per output channel,
 and multiplies with them through :func:`device.fp8_linear`.
 
-Why per output channel, not the 128 x 128 blocks of published FP8 checkpoints: the weights are
-dequantized on the fly, row by row, which a per-row scale does with one multiply; block scales
-pay off with native block-scaled FP8 GEMM kernels, which this path does not use. The error is
-measured (tests/test_fp8.py, README): per-channel e4m3 keeps ~2 significant digits of each
-weight relative to its row's largest.
+Why per output channel, not the 128 x 128 blocks of published FP8 checkpoints: the FP8 values
+convert exactly to the compute dtype and a per-row scale is then one multiply per output element
+of the matmul (device.fp8_linear); block scales pay off with native block-scaled FP8 GEMM
+kernels, which this path does not use. The error is measured (tests/test_fp8.py, README):
+per-channel e4m3 keeps ~2 significant digits of each weight relative to its row's largest.
 
 What stays in the rollout dtype (bf16): embeddings, norms, the router (its top-k choices are
 what a small error would flip) and the lm_head (the sampling distribution itself).
@@ -14,12 +14,12 @@ what a small error would flip) and the lm_head (the sampling distribution itself
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-from device import fp8_linear
+from device import experts_implementation, fp8_batched_linear, fp8_grouped_linear, fp8_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -69,9 +69,26 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.weight.values, self.weight.scale)
 
 
+# Where a platform has no grouped GEMM (NPU: device.experts_implementation gives "eager" there),
+# the experts run "dense" up to this many (token, expert) pairs, tokens x experts: every expert
+# on every token, E / top-k times the FLOPs of the routed computation (16x for Qwen3-30B-A3B's
+# 128 experts, top-8) and [E, T, 3I + H] activations (285 MB at 30B-A3B's sizes and 256 tokens),
+# but each expert's weights are read once and nothing is read on the host. A decode step's
+# matmuls are bound by reading the weights, so the extra FLOPs cost little there; beyond it (a
+# prefill) the 16x would not, and the experts run "host": one host read per layer (how many
+# tokens each expert has), then one matmul per expert that has tokens.
+DENSE_MAX_PAIRS = 32768
+
+
 class Fp8Experts(nn.Module):
-    """Qwen3-MoE's fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) in FP8: the same
-    routing loop as transformers' eager implementation, one expert's weights dequantized at a time."""
+    """Qwen3-MoE's fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) in FP8, routed as
+    transformers' grouped_mm experts are: the (token, expert) pairs sorted by expert, one grouped
+    GEMM per projection over all the layer's experts (device.fp8_grouped_linear), the pairs'
+    outputs times their routing weights summed per token. Everything stays on the device: no
+    host read, no per-expert loop, the same number of kernels whatever the number of experts.
+    Where there is no grouped GEMM, "dense" or "host" (DENSE_MAX_PAIRS)."""
+
+    implementation: Optional[str] = None  # "grouped", "dense", "host"; None: the platform's choice
 
     def __init__(self, experts: nn.Module, compute_dtype: torch.dtype) -> None:
         super().__init__()
@@ -79,19 +96,51 @@ class Fp8Experts(nn.Module):
         self.gate_up_proj = Fp8Weight(*quantize(experts.gate_up_proj), compute_dtype)
         self.down_proj = Fp8Weight(*quantize(experts.down_proj), compute_dtype)
 
+    def path(self, tokens: int, device_type: str) -> str:
+        if self.implementation is not None:
+            return self.implementation
+        if experts_implementation(device_type) == "grouped_mm":
+            return "grouped"
+        return "dense" if tokens * self.num_experts <= DENSE_MAX_PAIRS else "host"
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        hit = torch.zeros(self.num_experts, dtype=torch.bool, device=top_k_index.device)
-        hit[top_k_index.flatten()] = True
-        for expert in hit.nonzero().flatten().tolist():
-            token, slot = torch.where(top_k_index == expert)
-            gate_up = fp8_linear(hidden_states[token], self.gate_up_proj.values[expert],
-                                 self.gate_up_proj.scale[expert])
-            gate, up = gate_up.chunk(2, dim=-1)
-            down = fp8_linear(self.act_fn(gate) * up, self.down_proj.values[expert], self.down_proj.scale[expert])
-            out.index_add_(0, token, (down * top_k_weights[token, slot, None]).to(out.dtype))
-        return out
+        path = self.path(hidden_states.shape[0], hidden_states.device.type)
+        if path == "dense":
+            return self._dense(hidden_states, top_k_index, top_k_weights)
+        return self._sorted(hidden_states, top_k_index, top_k_weights, host=path == "host")
+
+    def _sorted(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                host: bool) -> torch.Tensor:
+        tokens, top_k = top_k_index.shape
+        expert_of_row, order = torch.sort(top_k_index.reshape(-1), stable=True)  # pair order: by expert
+        rows = hidden_states[order // top_k]
+        if host:
+            offsets, counts = None, torch.bincount(expert_of_row, minlength=self.num_experts).tolist()
+        else:
+            # histc, not bincount, whose CUDA kernel reads its input's largest value on the host;
+            # histc counts floats on the CPU, integers elsewhere (as transformers' grouped_mm experts)
+            counted = expert_of_row.float() if hidden_states.device.type == "cpu" else expert_of_row.int()
+            per_expert = torch.histc(counted, bins=self.num_experts, min=0, max=self.num_experts - 1)
+            offsets, counts = torch.cumsum(per_expert, 0, dtype=torch.int32), None
+        gate_up = fp8_grouped_linear(rows, self.gate_up_proj.values, self.gate_up_proj.scale, offsets,
+                                     expert_of_row, counts=counts)
+        gate, up = gate_up.chunk(2, dim=-1)
+        down = fp8_grouped_linear(self.act_fn(gate) * up, self.down_proj.values, self.down_proj.scale, offsets,
+                                  expert_of_row, row_weight=top_k_weights.reshape(-1)[order], counts=counts)
+        pairs = torch.empty_like(down)
+        pairs[order] = down  # back to (token, slot) order
+        return pairs.view(tokens, top_k, -1).sum(dim=1)
+
+    def _dense(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> torch.Tensor:
+        gate, up = fp8_batched_linear(hidden_states, self.gate_up_proj.values, self.gate_up_proj.scale).chunk(2, -1)
+        down = fp8_batched_linear(self.act_fn(gate) * up, self.down_proj.values, None)  # [E, T, H], unscaled
+        tokens = torch.arange(hidden_states.shape[0], device=hidden_states.device)[:, None]
+        pairs = down[top_k_index, tokens]  # [T, top-k, H]: each token's chosen experts
+        # the output scales and routing weights, in float32, as fp8_grouped_linear applies them
+        pairs.mul_(self.down_proj.scale[top_k_index] * top_k_weights[..., None])
+        return pairs.sum(dim=1)
 
 
 @dataclass(frozen=True)

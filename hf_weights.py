@@ -10,6 +10,7 @@ MoE layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H],
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -142,8 +143,6 @@ def write_weight_files(folder: Path, shapes: dict[str, torch.Size], dtype: torch
     modulo ``parts`` (so several writers share the work), each from ``read(names)`` (full
     tensors), cast to ``dtype`` and cut into the files' per-expert layout; part 0 also writes
     the index when there is more than one file."""
-    from safetensors.torch import save_file
-
     plan = plan_files(shapes, dtype.itemsize, max_file_bytes)
     names = file_names(len(plan))
     folder.mkdir(parents=True, exist_ok=True)
@@ -151,13 +150,40 @@ def write_weight_files(folder: Path, shapes: dict[str, torch.Size], dtype: torch
         tensors = read(plan[index])
         pieces = {key: piece.to(dtype).contiguous() for name in plan[index]
                   for key, piece in file_tensors(name, tensors.pop(name))}
-        save_file(pieces, str(folder / names[index]), metadata={"format": "pt"})
+        save_safetensors(pieces, folder / names[index], metadata={"format": "pt"})
     if part == 0 and len(plan) > 1:
         weight_map = {key: file for names_in_file, file in zip(plan, names) for name in names_in_file
                       for key, _ in file_tensors(name, torch.empty(shapes[name], device="meta"))}
         total = sum(shape.numel() for shape in shapes.values()) * dtype.itemsize
         (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=1, sort_keys=True) + "\n")
+
+
+# ----- file permissions -------------------------------------------------------------------------
+
+def process_umask() -> int:
+    """The process's umask, read without changing it where the system allows (/proc on Linux):
+    setting it to read it back would race with the checkpoint writer's thread creating files."""
+    try:
+        with open("/proc/self/status", encoding="utf-8", errors="replace") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Optional[dict[str, str]] = None) -> None:
+    """safetensors' save_file, leaving the file readable as the umask says: save_file (0.8) creates
+    it with mode 0600, where every other file a run writes gets 0666 less the umask (0644 under
+    the usual 022)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~process_umask())
 
 
 def stored_dtype(model_config: Any) -> torch.dtype:

@@ -39,9 +39,9 @@ setup() {
     torch_version=$("$py" -c 'import torch; print(torch.__version__)')
   fi
   echo "torch==$torch_version" > "$constraints"
-  # The extras the demo (tensorboard) and the tests (tensorboard, math-verify) use; on an x86-64
+  # The extras the demo (tensorboard) and the tests (tensorboard, wandb, math-verify) use; on an x86-64
   # Linux machine with the CPU torch, vLLM's CPU build too (rollout_engine: vllm, its tests).
-  local extras="dev,tensorboard,math"
+  local extras="dev,tensorboard,wandb,math"
   if [[ "$(uname -s)/$(uname -m)" == Linux/x86_64 ]] && "$py" -c '
 import importlib.util, sys, torch
 sys.exit(torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None

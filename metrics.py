@@ -1,5 +1,6 @@
-"""What a run shows its user: metrics.csv (and the same scalars as TensorBoard curves), the
-console line, the article's training alarms, sample completions, and curves.png.
+"""What a run shows its user: metrics.csv (and the same scalars as TensorBoard curves, or in a
+Weights & Biases run), the console line, the article's training alarms, sample completions, and
+curves.png.
 
     python metrics.py plot OUTPUT_DIR      # OUTPUT_DIR/curves.png from OUTPUT_DIR/metrics.csv
 
@@ -14,6 +15,7 @@ import csv
 import importlib.util
 import json
 import math
+import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -88,9 +90,10 @@ def read_metrics(path: Path) -> list[dict[str, str]]:
 def check_report_to(report_to: Sequence[str]) -> None:
     """Refuse at start-up, not at the first step, a reporter whose package is not installed (looked
     up, not imported: every rank checks, only the lead writes)."""
-    if "tensorboard" in report_to and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("report_to tensorboard needs the tensorboard package, which is not installed: "
-                        "pip install -e '.[tensorboard]'")
+    for reporter in ("tensorboard", "wandb"):
+        if reporter in report_to and importlib.util.find_spec(reporter) is None:
+            raise UserError(f"report_to {reporter} needs the {reporter} package, which is not installed: "
+                            f"pip install -e '.[{reporter}]'")
 
 
 class MetricsWriter:
@@ -141,6 +144,62 @@ class TensorBoardWriter:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+class WandbWriter:
+    """The TensorBoard scalars, under the same tags and steps, in a Weights & Biases run: project
+    WANDB_PROJECT (default dapo-npu), name WANDB_NAME (default output_dir's name), files under
+    WANDB_DIR (default output_dir); WANDB_MODE=offline and wandb's other settings apply as usual.
+
+    The run starts here, so that a wandb that cannot start (not logged in) stops the run before
+    it trains; the first row brings the run's config (output_dir/config.yaml, written by then).
+    W&B keeps every value it is sent and takes no step twice, so a resumed run is a new W&B run
+    of the same name that first redraws the checkpoint's metrics.csv, as TensorBoard's curves
+    are redrawn: one value per step in it."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir, self.run, self.sent = out_dir, None, False
+        self.pending: list[dict[str, Any]] = []  # rows to send before the next one
+        self._start()
+
+    def _start(self) -> None:
+        import wandb  # the optional extra, checked at start-up
+
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "dapo-npu",
+                                  name=os.environ.get("WANDB_NAME") or self.out_dir.resolve().name,
+                                  dir=os.environ.get("WANDB_DIR") or str(self.out_dir))
+        except wandb.errors.Error as error:
+            message = " ".join(str(error).split())
+            raise UserError(f"report_to wandb: wandb could not start a run: {message} "
+                            f"(WANDB_MODE=offline logs without an account)") from None
+        self.sent = False
+
+    def rewrite(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Send ``rows`` first, to a fresh W&B run if this one has rows already."""
+        if self.sent:
+            self.close()
+        self.pending = list(rows)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self.run is None:
+            self._start()
+        if not self.sent:
+            config_file = self.out_dir / "config.yaml"
+            if config_file.is_file():
+                import yaml
+
+                self.run.config.update(yaml.safe_load(config_file.read_text()))
+        for earlier in [*self.pending, row]:
+            scalars = {TENSORBOARD_TAGS[column]: float(value) for column, value in earlier.items()
+                       if column != "step" and value is not None and value != ""}
+            self.run.log(scalars, step=int(earlier["step"]))
+        self.pending, self.sent = [], True
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
 
 
 def console_line(row: dict[str, Any]) -> str:
@@ -289,6 +348,7 @@ class StepReporter:
         # and redraws its TensorBoard curves from it in restore().
         self.metrics = MetricsWriter(self.out_dir / "metrics.csv", append=append)
         self.curves = TensorBoardWriter(self.out_dir / "tensorboard") if "tensorboard" in run.report_to else None
+        self.wandb = WandbWriter(self.out_dir) if "wandb" in run.report_to else None
         self.completions = CompletionLog(self.out_dir / "completions.jsonl", prompts=run.log_completions,
                                          tokenizer=tokenizer, reference_answers=reference_answers,
                                          advantages=advantages, append=append)
@@ -325,14 +385,18 @@ class StepReporter:
         self.metrics.write(row)
         if self.curves is not None:
             self.curves.write(row)
+        if self.wandb is not None:
+            self.wandb.write(row)
         if self.logs(step):
             log(console_line(row))
         if validated and (sample := self.completions.console_sample()):
             log(sample)
         if step > 0 and (validated or step == self.max_steps):  # step 0 alone would be an empty picture
             plot_curves(self.out_dir)
-        if step == self.max_steps and self.curves is not None:
-            self.curves.close()  # the run's last row
+        if step == self.max_steps:  # the run's last row
+            for writer in (self.curves, self.wandb):
+                if writer is not None:
+                    writer.close()
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of this (metrics.csv itself is copied whole)."""
@@ -345,8 +409,9 @@ class StepReporter:
         self.alarms.restore(state["alarms"])
         self.train_rewards_since_val = state["train_rewards_since_val"]
         shutil.copyfile(metrics_csv, self.metrics.path)
-        if self.curves is not None:
-            self.curves.rewrite(read_metrics(self.metrics.path))
+        for writer in (self.curves, self.wandb):
+            if writer is not None:
+                writer.rewrite(read_metrics(self.metrics.path))
         self.completions.drop_after(state["step"])
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+import config
 import dapo_loss
 import dry_run
 import memory_plan
@@ -256,6 +257,7 @@ class Trainer:
         self.run_learner() if self.layout.is_learner else self.run_rollout()
 
 
+@config.answers_usage  # -h/--help: every key with its default, exit 0; no arguments: the usage, exit 2
 def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     """The run; ``trainer_class`` is a user's subclass of :class:`Trainer` (README.md)."""
     groups = None

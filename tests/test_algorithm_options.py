@@ -323,7 +323,7 @@ def test_one_and_two_learners_give_the_same_update_with_a_sharded_reference(demo
     # 16 sequences per mini-batch either way: 2 micro-batches of 8 on one learner, 8 on each of two.
     for nproc, accumulation in ((2, "2"), (3, "1")):
         out = tmp_path / str(nproc)
-        args = demo_args(demo_assets, out, "--learner_ranks", "2", "--kl_coef", "0.2", "--kl_type", "k1",
+        args = demo_args(demo_assets, out, "--learner_ranks", str(nproc - 1), "--kl_coef", "0.2", "--kl_type", "k1",
                          "--gradient_accumulation_steps", accumulation, "--save_every", "1", "--dist_timeout_s", "60")
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                f"--nproc_per_node={nproc}", "train_dapo.py", *args], cwd=ROOT, env=env,

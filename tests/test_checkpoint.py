@@ -213,7 +213,7 @@ def test_checkpoint_of_another_layout_or_batching_is_refused(demo_argv, finished
                   capsys)
     assert "does not match this run's data: prompts_per_step: 6 (checkpoint) vs 4 (this run)" in err
     # The layout check runs in every rank's Trainer, before any model is loaded or group used.
-    cfg = load_config(run_argv(demo_argv, finished_copy, 8))
+    cfg = load_config(run_argv(demo_argv, finished_copy, 8, "--learner_ranks", "1"))  # 2 processes: 1 + 1
     with pytest.raises(train_dapo.UserError, match="does not match this run's layout: world_size: 1 .checkpoint. vs 2"):
         train_dapo.Trainer(cfg, select_platform("cpu"), Derived.of(cfg, 2),
                            Layout(world_size=2, rank=1, num_learners=1), resume=step_folder(finished_copy, 6))

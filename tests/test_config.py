@@ -1,4 +1,9 @@
-"""Config: precedence, unknown keys, wrong types, derived values, and the CLI's exit status."""
+"""Config: precedence, unknown keys, wrong types, derived values, the CLI's exit status and its
+--help."""
+import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -6,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config import Config, ConfigError, Derived, load_config, warnings_for
+import config
+from config import Config, ConfigError, Derived, load_config, model_params, warnings_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +51,8 @@ def test_article_launch_flags_are_accepted_as_written():
     (["--clip_ratio_c", "0.5"], "clip_ratio_c must be > 1"),
     (["--kl_coef"], "--kl_coef needs a value"),
     (["--reward_model", "/rm", "--dynamic_sampling_metric", "acc"], "a reward_model has no notion of correct"),
-    (["--report_to", "[csv, wandb]"], "report_to takes csv and tensorboard, got ['csv', 'wandb']"),
+    (["--report_to", "[csv, mlflow]"], "report_to takes csv, console, tensorboard, wandb, none, got ['csv', 'mlflow']"),
+    (["--report_to", "[none, wandb]"], "report_to none means no reporter but the console and metrics.csv: give it alone"),
     (["--log_completions", "-1"], "log_completions must be >= 0 (0 = off)"),
 ])
 def test_bad_command_line_values_name_the_key(argv, needle):
@@ -96,8 +103,69 @@ def test_derived_values_and_their_explanations():
     assert (eight.num_rollout_ranks, eight.num_learner_ranks, eight.optimizer_steps_per_step) == (6, 2, 2)
     with pytest.raises(ConfigError, match="must split evenly"):
         Derived.of(load_config(["--prompts_per_step", "5", "--sample_num", "3"]), world_size=1)
-    two = Derived.of(load_config(["--learner_ranks", "2", "--prompts_per_step", "4"]), world_size=2)
-    assert (two.num_rollout_ranks, two.num_learner_ranks) == (1, 1)  # always one rank left to roll out
+    three = Derived.of(load_config(["--learner_ranks", "2", "--prompts_per_step", "8"]), world_size=3)
+    assert (three.num_rollout_ranks, three.num_learner_ranks) == (1, 2)
+
+
+def test_more_learner_ranks_than_the_job_allows_is_an_error():
+    """W processes hold at most W - 1 learners (one rank must roll out); one process runs both
+    roles and ignores learner_ranks, so the demo config's 2 runs there as it is."""
+    assert Derived.of(load_config(["--learner_ranks", "5"]), world_size=1).num_learner_ranks == 1
+    assert Derived.of(load_config(["--learner_ranks", "1"]), world_size=2).num_learner_ranks == 1
+    for ranks, world in (("5", 2), ("2", 2), ("8", 8)):
+        with pytest.raises(ConfigError) as err:
+            Derived.of(load_config(["--learner_ranks", ranks, "--prompts_per_step", "8"]), world_size=world)
+        assert str(err.value) == (f"learner_ranks {ranks} needs at least {int(ranks) + 1} processes (the learners "
+                                  f"and a rollout rank), this job has {world}: set learner_ranks to at most "
+                                  f"{world - 1} or start more processes")
+
+
+def test_train_dapo_refuses_too_many_learner_ranks_before_writing_anything(tmp_path):
+    # WORLD_SIZE as torchrun sets it: the check comes before any process group is formed.
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train_dapo.py", "--config", "configs/demo_cpu.yaml", "--learner_ranks", "5",
+                           "--output_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: learner_ranks 5 needs at least 6 processes (the learners and a rollout rank), this job has 2: "
+        "set learner_ranks to at most 1 or start more processes"]
+    assert not out.exists()
+
+
+def tiny_model_config(folder: Path) -> Path:
+    """A config.json of a Qwen3-MoE too small to need a low learning rate."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 101,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+        "moe_intermediate_size": 64, "num_experts": 8, "tie_word_embeddings": True}))
+    return folder
+
+
+def test_the_learning_rate_warning_follows_the_models_size_not_its_path(tmp_path):
+    big = tmp_path / "demo_of_the_30b"  # "demo" in the path, 30.5B parameters in config.json
+    big.mkdir()
+    shutil.copy(ROOT / "configs" / "models" / "qwen3-30b-a3b" / "config.json", big)
+    small = tiny_model_config(tmp_path / "qwen3-moe-tiny")
+    assert model_params(str(big)) == pytest.approx(30.53e9, rel=1e-3)  # the memory plan's exact count
+    assert model_params(str(small)) == pytest.approx(229_056, rel=0.01)  # built on meta: 229,056
+    assert model_params(str(tmp_path / "nothing")) is None
+
+    def lr_warnings(model: Path, lr: str) -> list[str]:
+        return [w for w in warnings_for(load_config(["--model_path", str(model), "--learning_rate", lr]))
+                if "learning_rate" in w]
+
+    assert lr_warnings(big, "2e-5") == [
+        "learning_rate=2e-05 is high for RL on a model of 30.5B parameters (article 5.4: ~1e-6 for a large MoE model)"]
+    assert lr_warnings(big, "1e-6") == []
+    assert lr_warnings(small, "2e-4") == []  # the demo's rate on a tiny model, wherever it lives
+
+
+def test_report_to_takes_none_console_and_wandb():
+    assert load_config(["--report_to", "none"]).run.report_to == ["none"]
+    assert load_config(["--report_to", "[console, wandb]"]).run.report_to == ["console", "wandb"]
+    assert load_config(["--report_to", "[csv, tensorboard, wandb]"]).run.report_to == ["csv", "tensorboard", "wandb"]
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -132,3 +200,53 @@ def test_offload_needs_a_torchrun_job():
     with pytest.raises(ConfigError, match="learner_offload needs a torchrun job"):
         Derived.of(cfg, 1)
     assert Derived.of(cfg, 8).num_learner_ranks == 2
+
+
+def key_lines(text: str) -> dict[str, str]:
+    """--help's "  --KEY  DEFAULT" lines, by key."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"^  --(\w+) +(.*)$", text, flags=re.M)}
+
+
+def test_help_lists_every_key_with_its_default_and_meaning():
+    proc = subprocess.run([sys.executable, "train_dapo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.startswith("usage: python train_dapo.py --config FILE.yaml [--KEY VALUE ...]\n")
+    assert "--plan [WORLD_SIZE]" in text and "--dry_run [WORLD_SIZE]" in text
+    listed, defaults = key_lines(text), config.default_texts()
+    assert set(config.KEY_SECTION) <= set(listed)
+    for key in config.KEY_SECTION:
+        assert listed[key] == defaults[key], key
+    assert (listed["learning_rate"], listed["report_to"], listed["reward_model"], listed["dynamic_sampling"]) == (
+        "1e-06", "[csv]", "null", "true")
+    lines = text.splitlines()
+    for key in config.KEY_SECTION:  # under its section's heading, with a line of meaning
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"  --{key} "))
+        heading = next(line for line in reversed(lines[:at]) if line and not line.startswith(" "))
+        assert heading == f"{config.KEY_SECTION[key]}:", key
+        assert lines[at + 1].startswith("      ") and len(lines[at + 1].strip()) > 10, key
+    assert "[token-mean | seq-mean-token-mean | seq-mean-token-sum]" in text  # a Literal key's choices
+
+
+def test_every_key_has_a_line_of_help():
+    # A key added to a dataclass needs its line in config.KEY_HELP, or --help shows it bare.
+    assert sorted(set(config.KEY_SECTION) - set(config.KEY_HELP)) == []
+    assert sorted(set(config.KEY_HELP) - set(config.KEY_SECTION)) == []
+    assert all("\n" not in text for text in config.KEY_HELP.values())
+
+
+def test_short_help_and_no_arguments(capsys):
+    import train_dapo
+
+    assert train_dapo.main(["--config", "x.yaml", "-h"]) == 0  # anywhere on the line, before the config is read
+    assert key_lines(capsys.readouterr().out)["learner_ranks"] == "2"
+    assert config.answer_usage(["--config", "x.yaml"], prog="train_dapo.py") is None  # a run: go on
+    proc = subprocess.run([sys.executable, "train_dapo.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2  # not a training run into runs/dapo
+    assert proc.stderr.startswith("usage: python train_dapo.py --config FILE.yaml [--KEY VALUE ...]\n")
+    assert "(--plan | --dry_run) [WORLD_SIZE]" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: no arguments: give --config FILE.yaml and --KEY VALUE settings "
+        "(python train_dapo.py --help lists every key)")
+    assert proc.stdout == ""

@@ -155,3 +155,129 @@ def test_the_demo_writes_curves_completions_and_a_picture_and_a_resume_keeps_one
 
     picture = (out / "curves.png").read_bytes()
     assert picture.startswith(b"\x89PNG\r\n\x1a\n") and len(picture) > 20_000
+
+
+# ----- report_to wandb and none -----------------------------------------------------------------
+
+def wandb_runs(wandb_dir: Path) -> list[dict]:
+    """The offline runs under ``wandb_dir``, oldest first, read back from their .wandb files (a
+    LevelDB-style log of wandb's protobuf records): project, name, config and every scalar as
+    {tag: [(step, value)]}."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    block, header = 32768, 7  # the log's block size and its record header: crc32, length, type
+    runs = []
+    for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B"
+        run, position, chunk = {"scalars": {}, "config": {}}, 7, b""
+        while position + header <= len(data):
+            if block - position % block < header:  # the rest of a block is padding
+                position += block - position % block
+                continue
+            length, kind = struct.unpack_from("<HB", data, position + 4)
+            chunk += data[position + header:position + header + length]
+            position += header + length
+            if kind not in (1, 4):  # 1 a whole record, 4 the last piece of one
+                continue
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            kind_of_record = record.WhichOneof("record_type")
+            if kind_of_record == "run":
+                run.update(project=record.run.project, name=record.run.display_name)
+            elif kind_of_record == "config":
+                run["config"].update({item.key: json.loads(item.value_json) for item in record.config.update})
+            elif kind_of_record == "history":
+                values = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                          for item in record.history.item}
+                for tag, value in values.items():
+                    if not tag.startswith("_"):
+                        run["scalars"].setdefault(tag, []).append((record.history.step.num, value))
+        runs.append(run)
+    return runs
+
+
+def csv_as_wandb_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """metrics.csv's values keyed by TensorBoard tag, as W&B keeps them (float64: exactly)."""
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for row in metrics.read_metrics(path):
+        for column, value in row.items():
+            if column != "step" and value != "":
+                expected.setdefault(TENSORBOARD_TAGS[column], []).append((int(row["step"]), float(value)))
+    return expected
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch) -> Path:
+    """wandb offline, every file it writes inside tmp_path, no network, no account (setup installs
+    the wandb extra)."""
+    home = tmp_path / "wandb_home"
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path / "wandb_dir"),
+                        "WANDB_CONFIG_DIR": str(home / "config"), "WANDB_CACHE_DIR": str(home / "cache"),
+                        "WANDB_DATA_DIR": str(home / "data")}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_API_KEY", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "wandb_dir").mkdir()
+    return tmp_path / "wandb_dir"
+
+
+def test_report_to_wandb_logs_the_tensorboard_scalars_and_a_resume_redraws_them(demo_argv, tmp_path,
+                                                                                  offline_wandb):
+    import train_dapo
+
+    out = tmp_path / "run"
+    argv = demo_argv + ["--max_steps", "2", "--save_every", "1", "--report_to", "[csv, wandb]"]
+    assert train_dapo.main(argv) == 0
+    first_csv = metrics.read_metrics(out / "metrics.csv")
+    assert train_dapo.main(argv + ["--resume_from_checkpoint", str(out / "checkpoints" / "step_00000001")]) == 0
+    first, resumed = wandb_runs(offline_wandb)
+    assert (first["project"], first["name"], resumed["name"]) == ("dapo-npu", "run", "run")  # output_dir's name
+    assert first["config"]["optim"]["learning_rate"] == 2e-4  # config.yaml, by section
+    assert set(first["scalars"]) == {TENSORBOARD_TAGS[c] for row in first_csv for c, v in row.items()
+                                     if c != "step" and v != ""}
+    assert [step for step, _ in resumed["scalars"]["reward/reward_mean"]] == [1, 2]  # step 2 trained twice, shown once
+    assert resumed["scalars"] == csv_as_wandb_scalars(out / "metrics.csv")
+    assert not (out / "tensorboard").exists()
+
+
+def test_wandb_project_and_name_follow_the_usual_variables(tmp_path, offline_wandb, monkeypatch):
+    monkeypatch.setenv("WANDB_PROJECT", "my-project")
+    monkeypatch.setenv("WANDB_NAME", "my-run")
+    run = RunConfig(output_dir=str(tmp_path / "out"), report_to=["wandb"], log_completions=0, max_steps=1)
+    (tmp_path / "out").mkdir()
+    report = StepReporter(run, tokenizer=CharTokenizer(), reference_answers=[], advantages=None, append=False)
+    report.write({"step": 0, "val_reward_mean": 0.25, "val_acc": 0.5})
+    report.write({"step": 1, "reward_mean": 0.5, "val_acc": None})  # the last step closes the run
+    [logged] = wandb_runs(offline_wandb)
+    assert (logged["project"], logged["name"]) == ("my-project", "my-run")
+    assert logged["scalars"] == {"val/val_reward_mean": [(0, 0.25)], "val/val_acc": [(0, 0.5)],
+                                 "reward/reward_mean": [(1, 0.5)], **{f"alarm/{a}": [(1, 0)] for a in
+                                 ("alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit")}}
+
+
+def test_report_to_wandb_without_the_package_stops_before_anything_is_written(demo_argv, tmp_path, monkeypatch,
+                                                                               capsys):
+    import train_dapo
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+    with pytest.raises(UserError, match=r"^report_to wandb needs the wandb package, which is not installed: "
+                                        r"pip install -e '\.\[wandb\]'$"):
+        metrics.check_report_to(["csv", "wandb"])
+    assert train_dapo.main(demo_argv + ["--report_to", "[csv, wandb]"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: report_to wandb needs the wandb package, which is not installed: pip install -e '.[wandb]'"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_report_to_none_writes_no_curves_but_metrics_csv(tmp_path):
+    from config import load_config
+
+    cfg = load_config(["--report_to", "none", "--output_dir", str(tmp_path), "--max_steps", "1", "--log_completions", "0"])
+    metrics.check_report_to(cfg.run.report_to)
+    report = StepReporter(cfg.run, tokenizer=CharTokenizer(), reference_answers=[], advantages=None, append=False)
+    report.write({"step": 0, "val_reward_mean": 0.25})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]  # checkpoints keep a copy of it

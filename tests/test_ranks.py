@@ -248,7 +248,7 @@ def test_two_ranks_reproduce_the_one_process_run(demo_assets, tmp_path, rollout_
     one_process = subprocess.run([sys.executable, *run_args(demo_assets, tmp_path / "one", 3, *dtype)], cwd=ROOT,
                                  env=env, capture_output=True, text=True, timeout=240)
     assert one_process.returncode == 0, one_process.stderr[-3000:]
-    proc = torchrun(2, run_args(demo_assets, tmp_path / "two", 3, *dtype))
+    proc = torchrun(2, run_args(demo_assets, tmp_path / "two", 3, *dtype, "--learner_ranks", "1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = metrics_rows(tmp_path / "one"), metrics_rows(tmp_path / "two")
     # The rollout log-probs come from two model copies built differently (a copy of the learner's

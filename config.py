@@ -521,6 +521,7 @@ KEY_HELP: dict[str, str] = {
     "reward_model": "sequence-classification reward model folder; when set it scores responses instead of reward_fn",
     "reward_fn": "rule reward: math_answer, math_verify (the math extra), demo_arithmetic, or module:function",
     "rollout_dtype": "dtype of the rollout copy of the weights (fp8: README \"FP8 rollout\")",
+    "rollout_engine": "what generates: the built-in decode loop, or one vLLM engine per rollout rank (README \"vLLM rollout\")",
     "learner_dtype": "learner compute dtype (bf16: FSDP2 mixed precision over fp32 master weights)",
     "gradient_checkpointing": "recompute activations in the backward pass",
     "learner_offload": "keep the learners' parameters, gradients and AdamW state in host memory (needs torchrun)",

@@ -171,7 +171,7 @@ def test_torchrun_one_rollout_and_one_learner_rank_gives_the_one_process_rows(on
     out = tmp_path / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_dapo.py",
-           *run_argv(assets, out, 3, "--dist_timeout_s", "120")]
+           *run_argv(assets, out, 3, "--learner_ranks", "1", "--dist_timeout_s", "120")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert rows_of(out) == rows_of(one_process_runs / "a")  # per-sample seeds: the layout does not matter

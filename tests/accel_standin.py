@@ -405,7 +405,6 @@ _SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.
           aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default,
             aten.linear.default, aten.matmul.default, aten._scaled_mm.default}
-_ATTENTION_CHOICE = aten._fused_sdp_choice.default
 
 
 def op_name(func: Any) -> str:
@@ -455,8 +454,6 @@ def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
         for g in flat:
             if isinstance(g, torch._C.Generator) and generator_device(g).type == NAME:
                 record("gen", f"aten.{op_name(func)}: an {NAME} generator draws for host tensors")
-    if func is _ATTENTION_CHOICE and on_device:
-        return 0  # the math kernel: the stand-in has no fused attention
     index = next((t.device.index for t in on_device), None)
     if index is None:
         index = next((torch.device(v).index or current_device() for v in flat if is_device(v)), RANK_DEVICE)

@@ -1,11 +1,12 @@
 """Deliberate faults, for bench/fault_matrix.py and the fault tests: one environment variable,
 read here and acted on where a rank enters a phase (ranks.phase).
 
-    DAPO_FAULT=RANK:PHASE:STEP[:ACTION]
+    DAPO_FAULT=RANK:PHASE:STEP[:ACTION][,RANK:PHASE:STEP[:ACTION]...]
 
 When rank RANK enters PHASE (a ranks.phase name: generation, sample transfer, weight sync,
-update, validation, checkpoint) during its step STEP, in the job's first attempt (a job that
-torchrun restarts does not meet the fault again), ACTION happens, once:
+update, validation, checkpoint) during its step STEP, ACTION happens, once. The first fault
+belongs to the job's first attempt, the second (if any) to the attempt torchrun restarts after
+it, and so on: a restarted job never meets the fault that ended its previous attempt.
 
     kill      SIGKILL this rank (the default)
     kill=R    SIGKILL rank R, on the same host: a rank killed while another one is in PHASE
@@ -37,10 +38,12 @@ class Fault:
 
 @functools.lru_cache(maxsize=1)
 def planned() -> Optional[Fault]:
-    """The fault DAPO_FAULT names, or None (also in a restarted job)."""
-    spec = os.environ.get("DAPO_FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    """The fault DAPO_FAULT names for this attempt of the job, or None."""
+    specs = [part for part in os.environ.get("DAPO_FAULT", "").split(",") if part]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt >= len(specs):
         return None
+    spec = specs[attempt]
     rank, phase, step, *rest = spec.split(":")
     action, _, argument = (rest[0] if rest else "kill").partition("=")
     if action not in ("kill", "sleep", "stop"):

@@ -110,7 +110,11 @@ case "$cmd" in
     ;;
   test)
     setup
-    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$(python_bin)" -m pytest "$@"
+    # Two workers (TEST_WORKERS), each running one test file at a time: most files spend their time
+    # in one single-threaded process, so two of them fill two cores; a file's module fixtures (a
+    # vLLM engine, a job's runs) stay shared by its tests. TEST_WORKERS=0 runs in this process.
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$(python_bin)" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile \
+      --no-loadscope-reorder "$@"
     ;;
   smoke)
     setup

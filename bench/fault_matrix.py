@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,43 +30,59 @@ sys.path.insert(0, str(ROOT))
 from ckpt import step_dir_name  # noqa: E402
 from metrics import TIMING_COLUMNS  # noqa: E402
 
-NPROC, ROLLOUT_RANKS = 8, 6  # ranks 0-5 roll out, 6 (the lead) and 7 learn
-VICTIMS = {"rollout": 2, "lead learner": 6, "other learner": 7}
 PHASES = {"generation": "generation", "sample transfer": "sample transfer", "weight sync": "weight sync",
           "update": "update", "save": "checkpoint"}
-WITNESSES = {"generation": 0, "update": 6}  # a rank that runs the phase, for a victim that does not
 
 
-def fault_spec(role: str, column: str, step: int) -> str:
-    """DAPO_FAULT for a cell: the victim kills itself in a phase it runs; otherwise the rank that
-    runs the phase kills it there."""
-    victim, phase = VICTIMS[role], PHASES[column]
-    has_no_part = phase == ("generation" if victim >= ROLLOUT_RANKS else "update")
-    return f"{WITNESSES[phase]}:{phase}:{step}:kill={victim}" if has_no_part else f"{victim}:{phase}:{step}"
+@dataclass(frozen=True)
+class Job:
+    """The torchrun job a cell runs in: ``nproc`` ranks, the last ``learners`` of them learning."""
+
+    nproc: int = 8
+    learners: int = 2
+
+    @property
+    def victims(self) -> dict[str, int]:
+        """The rank each row kills: a rollout rank other than 0 (which holds the store), the lead
+        learner, the other learner (ranks 2, 6 and 7 of 8)."""
+        lead = self.nproc - self.learners
+        return {"rollout": min(2, lead - 1), "lead learner": lead, "other learner": lead + 1}
+
+    def fault(self, role: str, column: str, step: int) -> str:
+        """One DAPO_FAULT entry for a cell: the victim kills itself in a phase it runs; otherwise
+        a rank that runs the phase (rollout rank 0, the lead learner) kills it there."""
+        victim, phase, lead = self.victims[role], PHASES[column], self.nproc - self.learners
+        witness = {"generation": 0, "update": lead}.get(phase)
+        has_no_part = phase == ("generation" if victim >= lead else "update")
+        return f"{witness}:{phase}:{step}:kill={victim}" if has_no_part else f"{victim}:{phase}:{step}"
 
 
-def torchrun(train_args: list[str], *, restarts: int = 0, fault: Optional[str] = None,
+def torchrun(train_args: list[str], *, job: Job = Job(), restarts: int = 0, fault: Optional[str] = None,
              timeout: int = 600) -> subprocess.CompletedProcess:
-    """The 8-rank job, one thread a rank, torchrun watching it every second."""
+    """The job, one thread a rank, torchrun watching it every second."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DAPO_FAULT", None)
     if fault:
         env["DAPO_FAULT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           f"--max-restarts={restarts}", "--monitor_interval=1", *train_args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={job.nproc}",
+           f"--max-restarts={restarts}", "--monitor_interval=1", *train_args, "--learner_ranks", str(job.learners)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_cell(train_args: list[str], role: str, column: str, step: int) -> tuple[Optional[str], float]:
-    """Run one cell; returns (None, seconds) when the job restarted and finished, else (why not, seconds)."""
+def run_cells(train_args: list[str], cells: list[tuple[str, str, int]], job: Job = Job()) -> tuple[Optional[str], float]:
+    """One job that meets each (role, column, step) cell in turn, one per attempt, under
+    ``--max-restarts len(cells)``; returns (None, seconds) when it restarted after each and
+    finished, else (why not, seconds)."""
     start = time.perf_counter()
-    job = torchrun(train_args, restarts=1, fault=fault_spec(role, column, step))
+    faults = ",".join(job.fault(role, column, step) for role, column, step in cells)
+    done = torchrun(train_args, job=job, restarts=len(cells), fault=faults)
     seconds = time.perf_counter() - start
-    if job.returncode != 0:
-        errors = [line for line in job.stderr.splitlines() if line.startswith("error:")]
-        return f"the job failed (exit status {job.returncode}): {errors[:3] or job.stderr[-1000:]}", seconds
-    if job.stdout.count(" role=") != 2 * NPROC:
-        return "the job did not restart: the fault never struck", seconds
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        return f"the job failed (exit status {done.returncode}): {errors[:3] or done.stderr[-1000:]}", seconds
+    attempts = done.stdout.count(" role=") // job.nproc
+    if attempts != len(cells) + 1:
+        return f"the job ran {attempts} attempts, not {len(cells) + 1}: a fault never struck", seconds
     return None, seconds
 
 
@@ -101,7 +118,7 @@ def main() -> None:
     parser.add_argument("--at_step", type=int, default=3)
     parser.add_argument("--cell", action="append", help="ROLE/PHASE, e.g. 'lead learner/save' (default: all 15)")
     args = parser.parse_args()
-    cells = [tuple(c.split("/")) for c in args.cell] if args.cell else [(r, p) for r in VICTIMS for p in PHASES]
+    cells = [tuple(c.split("/")) for c in args.cell] if args.cell else [(r, p) for r in Job().victims for p in PHASES]
     if not (ROOT / "runs" / "demo_assets" / "demo_info.json").is_file():
         subprocess.run([sys.executable, "data_prep.py", "demo", "--out", "runs/demo_assets"], cwd=ROOT, check=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +128,7 @@ def main() -> None:
         results = {}
         for role, column in cells:
             out = Path(tmp) / f"{role}-{column}".replace(" ", "_")
-            failure, seconds = run_cell(demo_args(out, args.steps), role, column, args.at_step)
+            failure, seconds = run_cells(demo_args(out, args.steps), [(role, column, args.at_step)])
             failure = failure or ", ".join(differences(out, reference, args.steps)) or None
             results[role, column] = ("equal" if failure is None else "DIFFERS", seconds)
             print(f"{role} / {column}: {failure or 'equal'} ({seconds:.0f} s)", file=sys.stderr, flush=True)
@@ -121,7 +138,7 @@ def main() -> None:
 def print_table(results: dict[tuple[str, str], tuple[str, float]], step: int) -> None:
     print(f"SIGKILL in step {step} of the 8-rank demo, torchrun --max-restarts 1: result (seconds)")
     print(f"{'':18}" + "".join(f"{column:>18}" for column in PHASES))
-    for role, victim in VICTIMS.items():
+    for role, victim in Job().victims.items():
         cells = [results.get((role, column)) for column in PHASES]
         print(f"{role + f' ({victim})':18}" + "".join(f"{f'{c[0]} ({c[1]:.0f})' if c else '-':>18}" for c in cells))
     print(f"{sum(verdict == 'equal' for verdict, _ in results.values())} of {len(results)} cells equal")

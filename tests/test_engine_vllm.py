@@ -167,14 +167,19 @@ def test_one_process_runs_are_repeatable_resume_exactly_and_sync_exactly(one_pro
     assert all(float(r["engine_mismatch_mean"]) < TOLERANCE for r in rows[1:])  # max_staleness 0: after each sync
 
 
-def test_torchrun_one_rollout_and_one_learner_rank_gives_the_one_process_rows(one_process_runs, assets, tmp_path):
+def test_torchrun_one_rollout_and_one_learner_rank_stopped_and_resumed_gives_the_one_process_rows(
+        one_process_runs, assets, tmp_path):
+    """2 steps under torchrun, then resumed to 3 there (a new engine in a new job): the rows and
+    weights of the uninterrupted one-process run, since per-sample seeds ignore the layout."""
     out = tmp_path / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_dapo.py",
-           *run_argv(assets, out, 3, "--learner_ranks", "1", "--dist_timeout_s", "120")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert rows_of(out) == rows_of(one_process_runs / "a")  # per-sample seeds: the layout does not matter
+    for steps, resume in ((2, []), (3, ["--resume_from_checkpoint", "auto"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_dapo.py",
+               *run_argv(assets, out, steps, "--learner_ranks", "1", "--dist_timeout_s", "120", *resume)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout and "step_00000002" in proc.stdout
+    assert rows_of(out) == rows_of(one_process_runs / "a")
     assert weights_of(out, 3) == weights_of(one_process_runs / "a", 3)
 
 

@@ -15,6 +15,11 @@ Dataset rows
 Each row is an object whose `prompt_key` field is either a string (the user message) or a
 list of chat messages ``[{"role": ..., "content": ...}, ...]`` ending with a user message, and
 whose optional `answer_key` field is the reference answer (a string; numbers are converted).
+Both keys may be dotted paths into nested objects (`reward_model.ground_truth`); with the default
+`answer_key` ("answer"), a row without an `answer` takes verl's `reward_model.ground_truth`, so
+files in verl's layout (`data_source`, `prompt` as chat messages, `ability`, `reward_model`,
+`extra_info`) train as they are. A row's `data_source` and `extra_info` travel with its prompt to
+the reward function (rewards.py: verl-style functions receive them).
 A missing and a null field are the same thing. Errors name the place in the file:
 - JSONL: ``FILE:LINE: ...`` with the 1-based line number (blank lines count as lines);
 - JSON and Parquet: ``FILE: row N: ...`` with the 1-based row number.
@@ -55,6 +60,18 @@ from buckets import (MAX_BUCKET_PADDING, batch_max_widths, bucket_bound, buckete
 from config import Config, UserError
 
 
+DEFAULT_ANSWER_KEY = "answer"
+VERL_ANSWER_KEY = "reward_model.ground_truth"  # where verl's preprocessing scripts put the answer
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """What a row says beside its prompt and answer that a verl-style reward function takes."""
+
+    data_source: Optional[str] = None
+    extra_info: Optional[dict[str, Any]] = None
+
+
 class DataError(ValueError):
     """Bad user input (file, row, field, model folder); the message is one line naming it."""
 
@@ -75,6 +92,7 @@ class PromptRows:
 
     messages: list[list[dict[str, str]]] = field(default_factory=list)
     answers: list[Optional[str]] = field(default_factory=list)
+    infos: list[RowInfo] = field(default_factory=list)
     source_rows: list[int] = field(default_factory=list)  # JSONL: line number; else 1-based row
     locations: list[str] = field(default_factory=list)  # "FILE:LINE" / "FILE: row N", for messages
     num_bad_rows: int = 0
@@ -88,6 +106,7 @@ class PromptSet:
     prompt_texts: list[str]  # rendered by the chat template (after truncation, if any)
     answers: list[Optional[str]]
     source_rows: list[int]  # JSONL: 1-based line number; JSON / Parquet: 1-based row number
+    infos: list[RowInfo] = field(default_factory=list)
     num_bad_rows: int = 0
     num_overlong_dropped: int = 0
     num_truncated: int = 0
@@ -160,10 +179,22 @@ def _records(path: Path) -> Iterator[tuple[int, str, Any]]:
     return _jsonl_records(path, text) if suffix == ".jsonl" else _json_records(path, text)
 
 
+def _field(row: dict[str, Any], key: str) -> Any:
+    """row[key]; a dotted key that is not a field of its own walks into nested objects."""
+    if key in row or "." not in key:
+        return row.get(key)
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
 def _row_messages(row: Any, prompt_key: str, system_prompt: Optional[str]) -> list[dict[str, str]]:
     if not isinstance(row, dict):
         raise DataError(f"expected an object with a {prompt_key!r} field, got {type(row).__name__}")
-    prompt = row.get(prompt_key)
+    prompt = _field(row, prompt_key)
     if prompt is None:
         raise DataError(f"missing field {prompt_key!r}")
     if isinstance(prompt, str):
@@ -186,7 +217,9 @@ def _row_messages(row: Any, prompt_key: str, system_prompt: Optional[str]) -> li
 
 
 def _row_answer(row: dict[str, Any], answer_key: str) -> Optional[str]:
-    answer = row.get(answer_key)
+    answer = _field(row, answer_key)
+    if answer is None and answer_key == DEFAULT_ANSWER_KEY:
+        answer, answer_key = _field(row, VERL_ANSWER_KEY), VERL_ANSWER_KEY
     if answer is None or isinstance(answer, str):
         return answer
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
@@ -194,7 +227,16 @@ def _row_answer(row: dict[str, Any], answer_key: str) -> Optional[str]:
     raise DataError(f"{answer_key!r} must be a string or a number, got {type(answer).__name__}")
 
 
-def read_rows(path: str | os.PathLike, *, prompt_key: str = "prompt", answer_key: str = "answer",
+def _row_info(row: dict[str, Any]) -> RowInfo:
+    source, extra = row.get("data_source"), row.get("extra_info")
+    if source is not None and not isinstance(source, str):
+        raise DataError(f"'data_source' must be a string, got {type(source).__name__}")
+    if extra is not None and not isinstance(extra, dict):
+        raise DataError(f"'extra_info' must be an object, got {type(extra).__name__}")
+    return RowInfo(source, extra)
+
+
+def read_rows(path: str | os.PathLike, *, prompt_key: str = "prompt", answer_key: str = DEFAULT_ANSWER_KEY,
               system_prompt: Optional[str] = None, skip_bad_rows: bool = False) -> PromptRows:
     """Read and validate every row: chat messages (system prompt added) and reference answers.
 
@@ -208,6 +250,7 @@ def read_rows(path: str | os.PathLike, *, prompt_key: str = "prompt", answer_key
                 raise record
             messages = _row_messages(record, prompt_key, system_prompt)
             answer = _row_answer(record, answer_key)
+            info = _row_info(record)
         except DataError as exc:
             if not skip_bad_rows:
                 message = str(exc)
@@ -216,6 +259,7 @@ def read_rows(path: str | os.PathLike, *, prompt_key: str = "prompt", answer_key
             continue
         rows.messages.append(messages)
         rows.answers.append(answer)
+        rows.infos.append(info)
         rows.source_rows.append(source_row)
         rows.locations.append(where)
     if not rows.messages and not rows.num_bad_rows:
@@ -269,11 +313,12 @@ def render_prompts(rows: PromptRows, tokenizer, *, max_prompt_length: Optional[i
         prompts.prompt_ids.append(list(prompt_ids))
         prompts.prompt_texts.append(text)
         prompts.answers.append(rows.answers[index])
+        prompts.infos.append(rows.infos[index])
         prompts.source_rows.append(rows.source_rows[index])
     return prompts
 
 
-def load_prompts(path: str | os.PathLike, tokenizer, *, prompt_key: str = "prompt", answer_key: str = "answer",
+def load_prompts(path: str | os.PathLike, tokenizer, *, prompt_key: str = "prompt", answer_key: str = DEFAULT_ANSWER_KEY,
                  system_prompt: Optional[str] = None, max_prompt_length: Optional[int] = None,
                  overlong_prompts: str = "drop", skip_bad_rows: bool = False) -> PromptSet:
     """Read a JSONL / JSON / Parquet dataset and return chat-templated, tokenized prompts.
@@ -486,8 +531,9 @@ def cmd_reward_check(args: argparse.Namespace) -> None:
     rows = read_rows(args.dataset, prompt_key=args.prompt_key, answer_key=args.answer_key,
                      system_prompt=args.system_prompt, skip_bad_rows=args.skip_bad_rows)
     limit = args.num_samples or len(rows.messages)
-    rows = PromptRows(rows.messages[:limit], rows.answers[:limit], rows.source_rows[:limit],
-                      rows.locations[:limit], rows.num_bad_rows)
+    rows = PromptRows(messages=rows.messages[:limit], answers=rows.answers[:limit], infos=rows.infos[:limit],
+                      source_rows=rows.source_rows[:limit], locations=rows.locations[:limit],
+                      num_bad_rows=rows.num_bad_rows)
     scorer = RewardModelScorer(args.reward_model, device=args.device, batch_size=args.batch_size) \
         if args.reward_model else None
 
@@ -512,8 +558,9 @@ def cmd_reward_check(args: argparse.Namespace) -> None:
     group = args.samples_per_prompt if args.model_path else 1
     prompt_texts = [text for text in prompts.prompt_texts for _ in range(group)] if prompts else []
     answers = [answer for answer in (prompts.answers if prompts else rows.answers) for _ in range(group)]
+    infos = [info for info in (prompts.infos if prompts else rows.infos) for _ in range(group)]
 
-    scored = scorer(prompt_texts, responses) if scorer else score_with_rule(rule, responses, answers)
+    scored = scorer(prompt_texts, responses) if scorer else score_with_rule(rule, responses, answers, infos)
     print(f"reward: {args.reward_model or args.reward_fn} on {source}")
     report_reward_check(args, scored, group, rows.locations if rule is not None and not args.model_path else None)
 

@@ -104,9 +104,13 @@ def empty_model(path: Path, device: Any, dtype: torch.dtype,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    experts = experts_implementation(computes_on or torch.device(device).type)
+    text = config.get_text_config()
+    has_experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    # transformers refuses the setting for a dense model
+    kernel = {"experts_implementation": experts_implementation(computes_on or torch.device(device).type)} \
+        if has_experts else {}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kernel)
     if prepare is not None:
         prepare(model)
     model.to_empty(device=device)

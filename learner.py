@@ -10,6 +10,7 @@ The algorithm's math is in dapo_loss.py; this file only feeds it.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 import ckpt
 import dapo_loss
-from config import Config, Derived, uses_fsdp
+from config import Config, Derived, UserError, uses_fsdp
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
@@ -31,6 +32,27 @@ from samples import SampleBatch
 
 # Summed over micro-batches and learners, then averaged over optimizer steps (metrics.csv).
 LOSS_METRICS = ("policy_loss", "kl", "entropy", "length_penalty", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+
+
+# Hugging Face model_type values whose models this trainer and both engines run: decoder-only
+# causal LMs laid out as model.layers / model.embed_tokens / lm_head (what shard_model, the
+# memory plan, the FP8 copy and the weight sync walk), each trained in the suite or on a device.
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "llama")
+
+
+def check_model_type(model_path: str) -> None:
+    """UserError (one line) for a model folder whose architecture is not one of SUPPORTED_MODEL_TYPES;
+    a folder without config.json is left to load_run_inputs, which says so."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model_path {model_path}: config.json is not readable JSON ({exc})") from None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"model_path {model_path}: model_type {model_type!r} is not supported "
+                        f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
 def shard_model(model: torch.nn.Module, mesh: Any, *, learner_dtype: str, offload: bool,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import math
 import re
@@ -59,6 +60,11 @@ class RewardRule:
     wrong_score: float
     needs_answer: bool = False
     requires: tuple[str, str] | None = None
+    verl_style: bool = False  # fn(data_source, solution_str, ground_truth, extra_info) as verl calls it
+
+
+SIGNATURES = ("expected fn(response, answer) -> (score, correct), or verl's "
+              "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> score or {'score': ...}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,9 +218,12 @@ def resolve_rule(name: str) -> RewardRule:
     """A built-in rule by name, or a user's `module:function`; UserError (one line naming
     reward_fn) when it cannot be used.
 
-    A user's function takes (response_text, reference_answer_or_None) and returns
-    (score, correct). Its score for responses on which it raises is the function's
-    `wrong_score` attribute if it has one, else 0.0.
+    A user's function is one of two kinds, told apart by its parameters: ours,
+    fn(response_text, reference_answer_or_None) -> (score, correct); or verl's,
+    compute_score(data_source, solution_str, ground_truth, extra_info=None), called by keyword
+    as verl calls it. Either may return (score, correct), a bare score (correct when > 0) or a dict
+    with "score" and optionally "acc" (verl's). Its score for responses on which it raises is
+    the function's `wrong_score` attribute if it has one, else 0.0.
     """
     if ":" not in name:
         if name not in BUILTIN_RULES:
@@ -237,7 +246,24 @@ def resolve_rule(name: str) -> RewardRule:
     wrong_score = getattr(fn, "wrong_score", 0.0)
     if isinstance(wrong_score, bool) or not isinstance(wrong_score, (int, float)):
         raise UserError(f"reward_fn {name!r}: wrong_score must be a number, got {wrong_score!r}")
-    return RewardRule(name, fn, wrong_score=float(wrong_score))
+    return RewardRule(name, fn, wrong_score=float(wrong_score), verl_style=_takes_verl_arguments(name, fn))
+
+
+def _takes_verl_arguments(name: str, fn: Callable[..., Any]) -> bool:
+    """Whether fn is a verl reward function (True: verl calls them by keyword, so they name
+    solution_str and ground_truth) or ours (False: two positional arguments); UserError for neither."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called as ours
+        return False
+    names = {p.name for p in parameters}
+    if {"solution_str", "ground_truth"} <= names:
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) <= 2 and (len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)):
+        return False
+    raise UserError(f"reward_fn {name!r}: takes ({', '.join(p.name for p in parameters)}); {SIGNATURES}")
 
 
 _warned_failures: set[tuple[str, str]] = set()
@@ -254,16 +280,48 @@ def _warn_once(rule: RewardRule, exc: Exception) -> None:
                    rule.name, type(exc).__name__, exc)
 
 
-def _score_one(rule: RewardRule, response: str, answer: str | None) -> tuple[float, bool]:
-    score, correct = rule.fn(response, answer)
+def _as_score(result: Any) -> tuple[float, bool]:
+    """(score, correct) from what a rule returned: that pair, a bare score (correct when > 0),
+    or verl's dict with "score" and optionally "acc"."""
+    if isinstance(result, dict) and "score" in result:
+        score, correct = result["score"], result.get("acc")
+    elif isinstance(result, (tuple, list)) and len(result) == 2:
+        score, correct = result
+    else:
+        score, correct = result, None
+    if isinstance(score, bool) or not isinstance(score, (int, float)) and not (
+            isinstance(score, torch.Tensor) and score.numel() == 1):
+        raise TypeError(f"returned {type(result).__name__} {result!r:.80}, not a score")
     score = float(score)
     if not math.isfinite(score):
         raise ValueError(f"non-finite score {score}")
-    return score, bool(correct)
+    return score, bool(score > 0 if correct is None else correct)
 
 
-def score_with_rule(rule: RewardRule, responses: list[str], answers: list[str | None]) -> Scored:
-    """Score each response; a rule failure on a response scores it wrong and counts it."""
+def _score_one(rule: RewardRule, response: str, answer: str | None, info: Any = None) -> tuple[float, bool]:
+    if rule.verl_style:  # called as verl calls it
+        return _as_score(rule.fn(data_source=getattr(info, "data_source", None), solution_str=response,
+                                 ground_truth=answer, extra_info=getattr(info, "extra_info", None)))
+    return _as_score(rule.fn(response, answer))
+
+
+def probe_rule(rule: RewardRule, answer: str | None, info: Any, where: str) -> None:
+    """Call the rule once, before any model loads, on a row's own reference answer as the
+    response; UserError (one line) when it raises anything but MalformedResponse or returns
+    something that is not a score, which would otherwise score every response wrong."""
+    try:
+        _score_one(rule, answer or "", answer, info)
+    except MalformedResponse:
+        pass
+    except Exception as exc:  # a user's function may fail in any way
+        raise UserError(f"reward_fn {rule.name} failed on the first row ({where}): {type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''} ({SIGNATURES})") from None
+
+
+def score_with_rule(rule: RewardRule, responses: list[str], answers: list[str | None],
+                    infos: list[Any] | None = None) -> Scored:
+    """Score each response; a rule failure on a response scores it wrong and counts it. ``infos``:
+    each row's data_source and extra_info (data_prep.RowInfo), for verl-style functions."""
     if len(responses) != len(answers):
         raise ValueError(f"{len(responses)} responses but {len(answers)} reference answers")
     if rule.needs_answer and any(answer is None for answer in answers):
@@ -271,9 +329,9 @@ def score_with_rule(rule: RewardRule, responses: list[str], answers: list[str | 
     scores: list[float] = []
     correct: list[bool] = []
     num_malformed = 0
-    for response, answer in zip(responses, answers):
+    for response, answer, info in zip(responses, answers, infos or [None] * len(answers)):
         try:
-            score, is_correct = _score_one(rule, response, answer)
+            score, is_correct = _score_one(rule, response, answer, info)
         except Exception as exc:  # model output must never crash a step
             _warn_once(rule, exc)
             score, is_correct = rule.wrong_score, False

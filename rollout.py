@@ -43,7 +43,8 @@ def left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int) -> tup
 class RewardSource:
     """Scores decoded responses: a rule (with reference answers) or a reward model."""
 
-    score: Callable[[list[str], list[str], list[Optional[str]]], Scored]  # (prompts, responses, answers)
+    # (prompts, responses, reference answers, rows' data_prep.RowInfo) -> scores
+    score: Callable[[list[str], list[str], list[Optional[str]], list[Any]], Scored]
     has_correct: bool
 
 
@@ -93,9 +94,9 @@ def make_reward_source(reward_fn: str, reward_model: Optional[str], device: torc
 
     if reward_model:
         scorer = RewardModelScorer.for_rollout(reward_model, rollout_dtype, device)
-        return RewardSource(lambda prompts, responses, answers: scorer(prompts, responses), has_correct=False)
+        return RewardSource(lambda prompts, responses, answers, infos: scorer(prompts, responses), has_correct=False)
     rule = resolve_rule(reward_fn)
-    return RewardSource(lambda prompts, responses, answers: score_with_rule(rule, responses, answers),
+    return RewardSource(lambda prompts, responses, answers, infos: score_with_rule(rule, responses, answers, infos),
                         has_correct=True)
 
 
@@ -115,6 +116,33 @@ def check_rollout_inputs(cfg: Config) -> None:
         if outside:
             raise UserError(f"eos_token_ids: {outside[0]} is outside the vocabulary of model_path "
                             f"{cfg.model.model_path} ({vocab_size} ids, 0 to {vocab_size - 1})")
+
+
+def check_reward_on_data(cfg: Config) -> None:
+    """Refuse (UserError) before any model loads a reward rule that fails on the first training
+    row, or that compares with reference answers where a row (training or validation) has none."""
+    from data_prep import DEFAULT_ANSWER_KEY, VERL_ANSWER_KEY, DataError, read_rows
+    from rewards import probe_rule, resolve_rule
+
+    if cfg.model.reward_model:
+        return
+    rule = resolve_rule(cfg.model.reward_fn)
+    data = cfg.data
+    try:
+        files = [(path, read_rows(path, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                                  skip_bad_rows=data.skip_bad_rows))
+                 for path in (data.dataset, data.val_dataset) if path]
+    except DataError as exc:
+        raise UserError(str(exc)) from None
+    for path, rows in files:
+        missing = next((i for i, answer in enumerate(rows.answers) if answer is None), None)
+        if rule.needs_answer and missing is not None:
+            fallback = f" (nor at {VERL_ANSWER_KEY})" if data.answer_key == DEFAULT_ANSWER_KEY else ""
+            raise UserError(f"{rows.locations[missing]}: no reference answer at answer_key {data.answer_key!r}"
+                            f"{fallback}, which reward_fn {rule.name} needs (set answer_key to the field that holds it)")
+    _, rows = files[0]
+    if rows.answers:
+        probe_rule(rule, rows.answers[0], rows.infos[0], rows.locations[0])
 
 
 def stop_ids(cfg: Config, tokenizer) -> list[int]:
@@ -190,9 +218,10 @@ class RolloutWorker:
 
     def rollout(self, prompt_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str],
                 answers: Sequence[Optional[str]], prompt_index: Sequence[int], *, group_size: int,
-                version: int, seeds: Seeds, sampling: Optional[Sampling] = None) -> tuple[SampleBatch, Scored]:
+                version: int, seeds: Seeds, sampling: Optional[Sampling] = None,
+                infos: Optional[Sequence[Any]] = None) -> tuple[SampleBatch, Scored]:
         """Generate ``group_size`` responses for each prompt and score them (``sampling``: the
-        worker's own, for training, unless given)."""
+        worker's own, for training, unless given; ``infos``: the rows' data_prep.RowInfo)."""
         repeat = lambda seq: [item for item in seq for _ in range(group_size)]  # noqa: E731
         rows = repeat(prompt_ids)
         # Pad to the bucket's bound, not the batch's own maximum, so generation sees few distinct
@@ -201,7 +230,7 @@ class RolloutWorker:
         ids, mask = left_pad(rows, width, self.pad_id)
         gen = self.engine.generate(ids, mask, sampling=sampling or self.sampling, seeds=seeds)
         texts = self.decode(gen.response_ids, gen.response_mask)
-        scored = self.reward.score(repeat(prompt_texts), texts, repeat(answers))
+        scored = self.reward.score(repeat(prompt_texts), texts, repeat(answers), repeat(infos or [None] * len(answers)))
         lengths = gen.response_mask.sum(-1)
         reward = shaped_rewards(scored, lengths, max_response_length=self.max_response_length,
                                 overlong_buffer_len=self.overlong_buffer_len,
@@ -291,7 +320,7 @@ class Rollout:
         data = self.train_set
         batch, scored = self.worker.rollout(
             [data.prompt_ids[r] for r in mine], [data.prompt_texts[r] for r in mine], [data.answers[r] for r in mine],
-            mine, group_size=self.cfg.rollout.sample_num, version=self.weight_version,
+            mine, group_size=self.cfg.rollout.sample_num, version=self.weight_version, infos=[data.infos[r] for r in mine],
             seeds=Seeds.of(self.cfg.run.seed, step, gen_index, self.shard_index, mine, self.cfg.rollout.sample_num))
         self.plat.release_cache()
         return batch, scored.num_malformed, time.perf_counter() - start
@@ -311,7 +340,7 @@ class Rollout:
             rows = mine[start:start + self.val_batch_size]
             batch, _ = self.worker.rollout(
                 [val.prompt_ids[r] for r in rows], [val.prompt_texts[r] for r in rows], [val.answers[r] for r in rows],
-                rows, group_size=1, version=self.weight_version, sampling=sampling,
+                rows, group_size=1, version=self.weight_version, sampling=sampling, infos=[val.infos[r] for r in rows],
                 seeds=Seeds.of(self.cfg.run.seed, -1, self.weight_version, start, rows, 1))
             sums = [sums[0] + batch.reward.sum().item(), sums[1] + batch.correct.sum().item(), sums[2] + len(rows)]
         return sums

@@ -31,12 +31,12 @@ import stopping
 from config import Config, Derived, Schedule, UserError, load_config, split_inspection, uses_fsdp, warnings_for
 from data_prep import load_run_inputs
 from device import Platform, experts_implementation, seed_everything, select_platform, write_env_report
-from learner import Learner, uses_reference_model
+from learner import Learner, check_model_type, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum, at_step,
                    broadcast_samples, finish_together, init_world, leave_world, phase)
 from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, build_engine, check_engine,
-                     check_rollout_inputs, load_rollout_model, wire_dtype)
+                     check_reward_on_data, check_rollout_inputs, load_rollout_model, wire_dtype)
 from samples import SampleBatch
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
@@ -270,7 +270,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
                         num_learners=derived.num_learner_ranks)
         lead = layout.is_lead
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        check_rollout_inputs(cfg)  # before any model loads and before output_dir is written
+        check_model_type(cfg.model.model_path)  # before any model loads and before output_dir is written
+        check_rollout_inputs(cfg)
         check_report_to(cfg.run.report_to)
         if inspection == "dry_run":
             return dry_run.run(cfg, derived)
@@ -278,6 +279,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
                              plan_only=inspection == "plan", lead=lead):
             return 0
         check_engine(cfg, plat)  # vLLM installed, FP8 available: before output_dir is written
+        check_reward_on_data(cfg)
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
         for message in warnings_for(cfg) if lead else []:

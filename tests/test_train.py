@@ -226,3 +226,37 @@ def test_a_reward_without_spread_stops_at_max_gen_batches(demo_argv, tmp_path, c
     assert len(err) == 1 and re.fullmatch(r"error: step 1: only 0 of 6 groups .* after 1 generation batches "
                                           r"\(max_gen_batches\).*", err[0]), err
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == ["0"]  # what was written stays whole
+
+
+def test_supported_architectures_train_and_others_are_refused_with_one_line(demo_assets, tmp_path, capsys):
+    """A tiny Llama (one of learner.SUPPORTED_MODEL_TYPES besides the demo's Qwen3-MoE) trains a
+    step with the demo's tokenizer; GPT-2, laid out otherwise, is refused before anything loads."""
+    from transformers import AutoTokenizer, GPT2Config, LlamaConfig, LlamaForCausalLM
+
+    import train_dapo
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "model")
+    llama = tmp_path / "llama"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                 bos_token_id=None)).save_pretrained(llama)
+    tokenizer.save_pretrained(llama)
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2).save_pretrained(gpt2)
+    tokenizer.save_pretrained(gpt2)
+
+    def run(model: Path) -> int:
+        return train_dapo.main(["--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--model_path", str(model),
+                                "--dataset", str(demo_assets / "train.jsonl"), "--val_dataset", "",
+                                "--output_dir", str(tmp_path / model.name / "run"), "--max_steps", "1",
+                                "--learner_ranks", "1", "--dynamic_sampling", "false"])  # a random Llama is always wrong
+
+    assert run(llama) == 0
+    assert (tmp_path / "llama" / "run" / "checkpoints" / "step_00000001").is_dir()
+    capsys.readouterr()
+    assert run(gpt2) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model_type 'gpt2' is not supported (supported: qwen3_moe, qwen3, qwen2, llama)" in err
+    assert not (tmp_path / "gpt2" / "run").exists()

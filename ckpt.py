@@ -386,7 +386,7 @@ def export_model(step_folder: Path, out_dir: Path, *, part: int = 0, parts: int 
 # ----- a training state: what a step folder holds, what a resume checks ------------------------
 
 class Checkpointer:
-    """One rank's part in taking and restoring a run's checkpoints (DESIGN.md "Checkpoints").
+    """One rank's part in taking and restoring a run's checkpoints (docs/design.md "Checkpoints").
 
     Checkpoint v is taken right after weights v go to the rollout side. Every rank hands the lead
     its rank state (random generators; on rollout ranks, the data position); every learner stages

@@ -126,6 +126,8 @@ class RunConfig:
     max_staleness: int = 1
     dist_timeout_s: float = 600.0
     device_memory_gb: Optional[float] = None  # GiB per device; default: what the device reports
+    host_memory_gb: Optional[float] = None  # GiB of host memory per node; default: this machine's MemTotal
+    disk_gb: Optional[float] = None  # GiB free for checkpoints under output_dir; default: what the filesystem has
     weight_sync_bucket_mb: int = 256
     length_alarm_steps: int = 20
     overfit_alarm_checks: int = 3
@@ -314,19 +316,43 @@ def load_config(argv: list[str]) -> Config:
     return cfg
 
 
-def split_inspection(argv: list[str]) -> tuple[list[str], Optional[str], Optional[int]]:
-    """(the other arguments, "plan" or "dry_run" when ``--plan [WORLD_SIZE]`` or ``--dry_run
-    [WORLD_SIZE]`` asks to look before running, the world size to lay out: by default torchrun's
-    WORLD_SIZE, else one node of 8 devices)."""
+def split_inspection(argv: list[str]) -> tuple[list[str], Optional[str], Optional[int], Optional[int]]:
+    """(the other arguments, "plan" or "dry_run" when ``--plan [WORLD_SIZE] [--nnodes N]`` or
+    ``--dry_run [WORLD_SIZE] [--nnodes N]`` asks to look before running, the world size to lay
+    out: by default torchrun's WORLD_SIZE, else one node of 8 devices; the nodes it spans: by
+    default torchrun's, else 1). A run, which takes its layout from torchrun, gets None for both."""
+    argv, nodes = _split_nnodes(argv)
     asked = [flag for flag in ("--plan", "--dry_run") if flag in argv]
     if not asked:
-        return argv, None, None
+        if nodes is not None:
+            raise ConfigError("--nnodes goes with --plan or --dry_run: a run takes its nodes from torchrun (--nnodes)")
+        return argv, None, None, None
     if len(asked) > 1:
         raise ConfigError("give --plan or --dry_run, not both (the dry run prints the plan beside what it measures)")
     at = argv.index(asked[0])
     given = argv[at + 1] if at + 1 < len(argv) and argv[at + 1].isdigit() else None
     rest = argv[:at] + argv[at + 1 + (given is not None):]
-    return rest, asked[0][2:], int(given) if given else int(os.environ.get("WORLD_SIZE", "8"))
+    world_size = int(given) if given else int(os.environ.get("WORLD_SIZE", "8"))
+    return rest, asked[0][2:], world_size, nodes if nodes is not None else torchrun_nodes()
+
+
+def _split_nnodes(argv: list[str]) -> tuple[list[str], Optional[int]]:
+    """The arguments without ``--nnodes N`` (or ``--nnodes=N``), and N (None when not given)."""
+    at = next((i for i, arg in enumerate(argv) if arg == "--nnodes" or arg.startswith("--nnodes=")), None)
+    if at is None:
+        return argv, None
+    inline = argv[at].partition("=")[2] if "=" in argv[at] else None
+    value = inline if inline is not None else (argv[at + 1] if at + 1 < len(argv) else "")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--nnodes expects a number of nodes >= 1, got {value!r}")
+    return argv[:at] + argv[at + 1 + (inline is None):], int(value)
+
+
+def torchrun_nodes() -> int:
+    """The nodes of this torchrun job (WORLD_SIZE // LOCAL_WORLD_SIZE; every node runs as many
+    processes), 1 outside torchrun."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    return max(1, int(world) // int(local)) if world and local else 1
 
 
 # What report_to takes: csv (metrics.csv, always written: checkpoints keep it), console (verl's
@@ -370,6 +396,8 @@ def validate(cfg: Config) -> None:
         ("none" not in cfg.run.report_to or len(set(cfg.run.report_to)) == 1,
          f"report_to none means no reporter but the console and metrics.csv: give it alone, got {cfg.run.report_to}"),
         (cfg.run.dist_timeout_s > 0, "dist_timeout_s must be > 0"),
+        (all(gb is None or gb > 0 for gb in (cfg.run.device_memory_gb, cfg.run.host_memory_gb, cfg.run.disk_gb)),
+         "device_memory_gb, host_memory_gb and disk_gb must be > 0 (null = what the machine reports)"),
         (not (cfg.model.reward_model and cfg.rollout.dynamic_sampling_metric == "acc"),
          "dynamic_sampling_metric acc needs a rule reward (reward_fn); a reward_model has no notion of correct"),
     ]
@@ -440,9 +468,10 @@ class Derived:
     minibatch_sequences: int  # per learner rank per optimizer step
     optimizer_steps_per_step: int
     dynamic_sampling_metric: str  # "acc" or "reward": dynamic_sampling_metric with auto resolved
+    nodes: int = 1  # the ranks are spread evenly over them, by index (memory_plan.node_hosts)
 
     @staticmethod
-    def of(cfg: Config, world_size: int) -> "Derived":
+    def of(cfg: Config, world_size: int, nodes: int = 1) -> "Derived":
         # One process runs both roles and ignores learner_ranks; W processes need a rollout rank
         # besides the learner_ranks learners.
         if world_size > 1 and cfg.run.learner_ranks > world_size - 1:
@@ -450,6 +479,9 @@ class Derived:
                 f"learner_ranks {cfg.run.learner_ranks} needs at least {cfg.run.learner_ranks + 1} processes (the "
                 f"learners and a rollout rank), this job has {world_size}: set learner_ranks to at most "
                 f"{world_size - 1} or start more processes")
+        if world_size % nodes:
+            raise ConfigError(f"--nnodes {nodes} does not split {world_size} ranks evenly: every node runs "
+                              f"WORLD_SIZE / nnodes ranks (nodes that fit: {_divisors(world_size)})")
         learners = cfg.run.learner_ranks if world_size > 1 else 1
         sequences = cfg.rollout.prompts_per_step * cfg.rollout.sample_num
         if cfg.model.learner_offload and world_size == 1:
@@ -470,7 +502,12 @@ class Derived:
             optimizer_steps_per_step=sequences // (per_rank_mb * learners) * cfg.optim.ppo_epochs,
             dynamic_sampling_metric=(cfg.rollout.dynamic_sampling_metric if cfg.rollout.dynamic_sampling_metric != "auto"
                                      else "reward" if cfg.model.reward_model else "acc"),
+            nodes=nodes,
         )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def uses_fsdp(cfg: Config, num_learners: int) -> bool:
@@ -558,7 +595,7 @@ KEY_HELP: dict[str, str] = {
     "kl_coef_init": "KL weight for the first kl_warmup_steps steps; null = kl_coef throughout",
     "kl_warmup_steps": "training steps that use kl_coef_init",
     "kl_type": "KL estimator",
-    "length_penalty_coef": "weight of the length penalty (REFERENCE.md section 5)",
+    "length_penalty_coef": "weight of the length penalty (docs/algorithm.md section 5)",
     "overlong_buffer_len": "DAPO soft overlong punishment: tokens before max_response_length where it starts (0 = off)",
     "overlong_penalty_factor": "DAPO soft overlong punishment at max_response_length",
     "entropy_coeff": "entropy bonus (entropy is always logged)",
@@ -591,6 +628,8 @@ KEY_HELP: dict[str, str] = {
     "max_staleness": "1: rollout generates one step ahead of training; 0: synchronous",
     "dist_timeout_s": "seconds a collective may wait for a silent peer",
     "device_memory_gb": "GiB per device for the memory plan; null = what the device reports",
+    "host_memory_gb": "GiB of host memory per node for the memory plan; null = this machine's MemTotal",
+    "disk_gb": "GiB free for checkpoints under output_dir for the memory plan; null = what its filesystem has free",
     "weight_sync_bucket_mb": "size of the buckets weights are broadcast in, MB",
     "length_alarm_steps": "steps of rising response length that fire alarm_length_rising",
     "overfit_alarm_checks": "validations of falling val reward and rising train reward that fire alarm_overfit",
@@ -618,7 +657,7 @@ def default_texts() -> dict[str, str]:
 def usage(prog: str = "train_dapo.py") -> str:
     return (f"usage: python {prog} --config FILE.yaml [--KEY VALUE ...]\n"
             f"       torchrun --nproc_per_node=N {prog} --config FILE.yaml [--KEY VALUE ...]\n"
-            f"       python {prog} --config FILE.yaml [--KEY VALUE ...] (--plan | --dry_run) [WORLD_SIZE]\n"
+            f"       python {prog} --config FILE.yaml [--KEY VALUE ...] (--plan | --dry_run) [WORLD_SIZE] [--nnodes N]\n"
             f"       python {prog} --help\n")
 
 
@@ -631,9 +670,12 @@ def help_text(prog: str = "train_dapo.py") -> str:
              "YAML file a key may sit under its section's heading or at the top level. Values read as YAML",
              "reads them: 1e-6, true, null, [1, 2].",
              "",
-             "  --plan [WORLD_SIZE]     print what each rank will hold (OUTPUT_DIR/memory_plan.json) and exit",
+             "  --plan [WORLD_SIZE]     print what each rank and node will hold (OUTPUT_DIR/memory_plan.json)",
+             "                          and exit: 0 when it fits, 1 when it does not",
              "  --dry_run [WORLD_SIZE]  check the plan by tracing one learner step on fake tensors and exit",
              "                          (WORLD_SIZE: torchrun's, else 8)",
+             "  --nnodes N              with --plan or --dry_run: the nodes WORLD_SIZE is spread over, evenly",
+             "                          (torchrun's, else 1)",
              "  -h, --help              this text",
              ""]
     defaults = default_texts()

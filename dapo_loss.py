@@ -1,4 +1,4 @@
-"""DAPO loss math (REFERENCE.md §1-5): advantages, policy loss, KL, reward and length shaping,
+"""DAPO loss math (docs/algorithm.md §1-5): advantages, policy loss, KL, reward and length shaping,
 and memory-bounded log-probs / entropy from logits.
 
 Every function is pure: tensors and plain numbers in, tensors out; no model, no process group,

@@ -30,7 +30,7 @@ Parquet, which is typed, is read with `datasets`.
 
 Demo task
 Prompts ``a+b=`` with single-digit operands (100 problems), answer the sum. RL did not
-generalise to held-out operand pairs at this model size (PLATFORM.md), so the demo does not
+generalise to held-out operand pairs at this model size (docs/platform.md), so the demo does not
 pretend to measure generalisation: val.jsonl is all 100 problems and train.jsonl is the same
 100 problems, shuffled. Validation accuracy therefore measures how well the policy has learnt
 the task's own problems. RL from a random init never learns this task (the policy collapses
@@ -361,6 +361,31 @@ def load_run_inputs(cfg: Config, warn: Callable[[str], None]) -> tuple[Any, Prom
     return tokenizer, train_set, val_set
 
 
+def check_reward_on_data(cfg: Config) -> None:
+    """Refuse (UserError) before any model loads a reward rule that fails on the first training
+    row, or that compares with reference answers where a row (training or validation) has none."""
+    from rewards import probe_rule, resolve_rule
+
+    if cfg.model.reward_model:
+        return
+    rule = resolve_rule(cfg.model.reward_fn)
+    data = cfg.data
+    try:
+        files = [read_rows(path, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                           skip_bad_rows=data.skip_bad_rows) for path in (data.dataset, data.val_dataset) if path]
+    except DataError as exc:
+        raise UserError(str(exc)) from None
+    for rows in files:
+        missing = next((i for i, answer in enumerate(rows.answers) if answer is None), None)
+        if rule.needs_answer and missing is not None:
+            fallback = f" (nor at {VERL_ANSWER_KEY})" if data.answer_key == DEFAULT_ANSWER_KEY else ""
+            raise UserError(f"{rows.locations[missing]}: no reference answer at answer_key {data.answer_key!r}"
+                            f"{fallback}, which reward_fn {rule.name} needs (set answer_key to the field that holds it)")
+    rows = files[0]
+    if rows.answers:
+        probe_rule(rule, rows.answers[0], rows.infos[0], rows.locations[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared CLI helpers: statistics, histograms, models
 
@@ -637,14 +662,17 @@ def build_demo_tokenizer():
     )
 
 
-def build_demo_model(tokenizer, head_dim: int = 16):
-    """Tiny Qwen3-MoE (2 layers, hidden 64, 8 experts top-2) from the current torch RNG state.
-    ``head_dim`` 32 builds the variant vLLM's CPU attention runs (it takes 32, 64, 80, ...)."""
+DEMO_HEAD_DIM = 32  # the smallest vLLM's CPU attention runs (32, 64, 80, ...): the demo works with both engines
+
+
+def build_demo_model(tokenizer):
+    """Tiny Qwen3-MoE (2 layers, hidden 64, 4 heads of DEMO_HEAD_DIM, 8 experts top-2) from the
+    current torch RNG state."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=DEMO_HEAD_DIM,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=DEMO_MAX_POSITIONS,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -695,7 +723,7 @@ def warm_start(model, tokenizer, prompts: PromptSet, *, seed: int) -> dict[str, 
     Stopping on the measured state rather than after a fixed step count matters because the
     curve is jumpy: at a fixed 100 steps, seeds 0-3 ranged from 0.13 with 4 distinct answers
     to 0.24 with 10. A constant answer scores ~0.1 on this task and RL cannot escape it
-    (PLATFORM.md), hence the distinct-answer condition.
+    (docs/platform.md), hence the distinct-answer condition.
     """
     import torch
 
@@ -749,7 +777,7 @@ def one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0, head_dim: int = 16) -> dict[str, Any]:
+def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0) -> dict[str, Any]:
     """Write OUT/model (tiny Qwen3-MoE + tokenizer), OUT/train.jsonl, OUT/val.jsonl and
     OUT/demo_info.json; returns the info. Deterministic from the seed: the model is built and
     warm-started on one intra-op thread, so two builds on the same machine give bit-identical
@@ -771,7 +799,7 @@ def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0, head_dim: int =
         tokenizer = build_demo_tokenizer()
         with torch.random.fork_rng(devices=[]), one_intra_op_thread():
             torch.manual_seed(seed)
-            model = build_demo_model(tokenizer, head_dim)
+            model = build_demo_model(tokenizer)
             info = warm_start(model, tokenizer, load_prompts(staging / "val.jsonl", tokenizer), seed=seed)
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
@@ -785,7 +813,7 @@ def build_demo_assets(out_dir: str | os.PathLike, seed: int = 0, head_dim: int =
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    info = build_demo_assets(args.out, seed=args.seed, head_dim=args.head_dim)
+    info = build_demo_assets(args.out, seed=args.seed)
     print(f"demo assets in {args.out}: tiny Qwen3-MoE with {info['num_parameters']:,} parameters, "
           f"vocab {info['vocab_size']}")
     print(f"warm start: {info['warm_start_steps']} steps; greedy accuracy {info['greedy_accuracy']:.2f} on the "
@@ -847,8 +875,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="build the offline demo assets")
     demo.add_argument("--out", required=True, help="output folder")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--head_dim", type=int, default=16, choices=[16, 32],
-                      help="32: the variant vLLM's CPU attention runs (rollout_engine vllm)")
     demo.set_defaults(run=cmd_demo)
     return parser
 

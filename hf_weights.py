@@ -5,7 +5,7 @@ one file at a time: no process holds a whole model it does not need. transformer
 MoE layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H],
 ``mlp.experts.down_proj`` [E, H, I]) while files hold them per expert
 (``mlp.experts.{e}.gate_proj.weight`` ...), the layout from_pretrained and serving engines read
-(PLATFORM.md); this module translates between the two.
+(docs/platform.md); this module translates between the two.
 """
 from __future__ import annotations
 

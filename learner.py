@@ -63,7 +63,7 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, learner_dtype: str, offloa
     With learner_dtype bf16, FSDP2 gathers each layer's fp32 master weights as bf16 and reduces
     gradients in fp32: bf16 compute that reaches every matmul, fused MoE experts included, which
     autocast over fp32 weights does not (its grouped_mm experts run fp32 GEMMs, 2.7x slower on an
-    H200: PLATFORM.md). So a bf16 learner is sharded even over one rank. With ``offload`` the
+    H200: docs/platform.md). So a bf16 learner is sharded even over one rank. With ``offload`` the
     shards, their gradients and AdamW's state live in host memory and each layer is copied to
     the device for its forward and backward (CPUOffloadPolicy).
     """
@@ -164,7 +164,7 @@ class StepTensors:
     old_logp: torch.Tensor
     ref_logp: Optional[torch.Tensor]
     is_weights: Optional[torch.Tensor]
-    length_ratio: torch.Tensor  # rho of REFERENCE.md §5: length over the group's mean length
+    length_ratio: torch.Tensor  # rho of docs/algorithm.md §5: length over the group's mean length
 
 
 class Learner:

@@ -36,6 +36,16 @@ def _heartbeat_key(rank: int) -> str:
     return f"liveness/heartbeat/{rank}"
 
 
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _arrival_key(members: str, count: int, rank: int) -> str:
     return f"liveness/arrived/{members}/{count}/{rank}"
 
@@ -73,6 +83,22 @@ class Liveness:
         key = _heartbeat_key(rank)
         return json.loads(self._store.get(key)) if self._store.check([key]) else None
 
+    def dead_peer(self, world_size: int) -> Optional[str]:
+        """"rank R (ROLE) died in PHASE of step S" for a rank on this host whose process is gone,
+        from its last heartbeat; None when there is none or the store cannot say (rank 0 died)."""
+        try:
+            store = self.store.clone()  # the caller is neither the training thread nor the heartbeat's
+            for peer in range(world_size):
+                key = _heartbeat_key(peer)
+                if peer == self.rank or not store.check([key]):
+                    continue
+                latest = json.loads(store.get(key))
+                if latest["host"] == socket.gethostname() and not _process_exists(latest["pid"]):
+                    return f"rank {peer} ({latest['role']}) died in {latest['phase']} of step {latest['step']}"
+        except dist.DistError:
+            return None
+        return None
+
     def wait_for(self, members: list[int]) -> None:
         """Block until every rank of ``members`` (this one among them) has reached this exchange.
 
@@ -102,9 +128,14 @@ class Liveness:
         finally:
             self._awaited = []
 
-    def _beat(self) -> None:
+    def announce(self) -> None:
+        """Renew the heartbeat now, from the training thread, as this rank enters a phase: a rank
+        that dies there is then known to have died there."""
+        self._beat(self.store)
+
+    def _beat(self, store: Optional[dist.Store] = None) -> None:
         self._beats += 1
-        self._store.set(_heartbeat_key(self.rank), json.dumps(
+        (store or self._store).set(_heartbeat_key(self.rank), json.dumps(
             {"beat": self._beats, "pid": os.getpid(), "host": socket.gethostname(), **self.describe()}))
 
     def _watch(self) -> None:

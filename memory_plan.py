@@ -1,7 +1,10 @@
-"""The memory plan: what each rank of a run will hold, in bytes, from the model's config.json
-(no weights), the run's settings and the world layout, and whether it fits ``device_memory_gb``.
+"""The memory plan: what each rank and each node of a run will hold, in bytes, from the model's
+config.json (no weights), the run's settings and the world layout, and whether it fits: the
+device (``device_memory_gb``), the host memory of each node (``host_memory_gb``) and the disk
+under output_dir for the checkpoints kept (``disk_gb``); each defaults to what this machine reports.
 
-    python train_dapo.py --config X --plan      # prints the table, writes OUTPUT_DIR/memory_plan.json
+    python train_dapo.py --config X --plan [WORLD_SIZE] [--nnodes N]   # the table, OUTPUT_DIR/memory_plan.json;
+                                                                       # exit status 1 when it does not fit
 
 Parameters and FP8 rollout weights are counted exactly, on an instance of the architecture on
 the meta device; the KV cache exactly from the layer shapes; activations are estimates, stated
@@ -24,16 +27,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 import hf_weights
-from config import Config, Derived, UserError, uses_fsdp
+from config import Config, Derived, RunConfig, UserError, uses_fsdp
 from device import Platform
-from metrics import log
+from metrics import log, warn
 from ranks import Layout, gather_json
 
 GIB = 2**30
@@ -186,9 +190,110 @@ def checkpoint_bytes(params: int) -> int:
     return 4 * params + 8 * params
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What the plan is held against besides the device, in bytes (None: unknown, not checked),
+    each with where it came from: host memory per node, and the room for checkpoints."""
+
+    host_memory: Optional[int] = None
+    host_from: str = "unknown"
+    disk_free: Optional[int] = None
+    disk_from: str = "unknown"
+    disk_measured: bool = False  # read from the filesystem (not disk_gb): it changes while a run goes on
+
+
+def this_machines_memory() -> Optional[int]:
+    """MemTotal of /proc/meminfo, else the physical pages os.sysconf counts; None when neither says."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def checkpoint_room(output_dir: Path) -> tuple[int, str]:
+    """Bytes free for checkpoints under ``output_dir`` (its nearest existing parent before a run
+    creates it), and what they are. This run's checkpoints already there count as room: they are
+    among the keep_last + 1 the plan counts, and rotation deletes them."""
+    where = output_dir.absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    kept = output_dir / "checkpoints"
+    held = sum(f.stat().st_size for f in kept.rglob("*") if f.is_file()) if kept.is_dir() else 0
+    return free + held, f"free under {where}" + (f" + {size_text(held)} of this run's checkpoints" if held else "")
+
+
+def machine_capacity(cfg: Config) -> Capacity:
+    """host_memory_gb and disk_gb, or what this machine and output_dir's filesystem report."""
+    run = cfg.run
+    host, host_from = ((int(run.host_memory_gb * GIB), "host_memory_gb") if run.host_memory_gb
+                       else (this_machines_memory(), "this machine's MemTotal"))
+    if run.disk_gb:
+        return Capacity(host, host_from, int(run.disk_gb * GIB), "free (disk_gb)")
+    free, disk_from = checkpoint_room(Path(run.output_dir))
+    return Capacity(host, host_from, free, disk_from, disk_measured=True)
+
+
+def node_hosts(world: int, node_count: int, num_learners: int, learner_host: int,
+               rollout_host: int) -> list[dict[str, Any]]:
+    """Each node's ranks and host memory. Ranks are laid out by index, as ranks.Layout numbers
+    them (0..R-1 roll out, R..W-1 learn, R leads) and torchrun places them (node k holds ranks
+    k*P..(k+1)*P-1, P ranks a node): so the learners share the last node(s)."""
+    per_node = world // node_count
+    first_learner = world - num_learners if world > 1 else 0
+    nodes = []
+    for k in range(node_count):
+        ranks = range(k * per_node, (k + 1) * per_node)
+        learners = sum(rank >= first_learner for rank in ranks)
+        rollout = 1 if world == 1 else per_node - learners  # one process holds both roles
+        nodes.append({"node": k, "ranks": [ranks[0], ranks[-1]], "rollout_ranks": rollout, "learner_ranks": learners,
+                      "lead": first_learner in ranks, "host": learners * learner_host + rollout * rollout_host})
+    return nodes
+
+
+def checkpoint_disk(run: RunConfig, per_step: int, export_bytes: int) -> dict[str, int]:
+    """The most checkpoints take on disk at once: keep_last complete ones and the one being
+    written (old ones are deleted only once a new one is complete), fewer when the whole run
+    writes fewer; and the Hugging Face weights of those among them that hold an export."""
+    every, last = run.save_every, run.max_steps
+    saved = [*range(every, last + 1, every), *([last] if every and last % every else [])] if every else []
+    copies = min(run.keep_last + 1, len(saved))
+    # The last step exports, and so does a saved step divisible by hf_export_every.
+    exported = [int(step == last or bool(run.hf_export_every) and step % run.hf_export_every == 0) for step in saved]
+    exports = max((sum(exported[i:i + copies]) for i in range(len(saved) - copies + 1)), default=0)
+    return {"per_step": per_step, "keep_last": run.keep_last, "copies": copies, "export_bytes": export_bytes,
+            "exports": exports, "disk_need": per_step * copies + export_bytes * exports}
+
+
+def rollout_shape(cfg: Config, derived: Derived, rollout: dict[str, int]) -> dict[str, int]:
+    """How a rollout rank's memory scales, for advice: its sequences and their tokens, the bytes
+    each sequence costs (KV cache, prefill, logits) and the KV cache's bytes per token position."""
+    sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_ranks) * cfg.rollout.sample_num
+    tokens = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    scaling = rollout["kv_cache"] + rollout["activations"] - cfg.run.weight_sync_bucket_mb * 2**20
+    return {"sequences": sequences, "tokens": tokens, "per_sequence": scaling // sequences,
+            "kv_per_token": rollout["kv_cache"] // tokens}
+
+
+def fit_checks(plan: dict[str, Any], device_total: int, capacity: Capacity) -> dict[str, Optional[bool]]:
+    """Device, host per node and disk: each True or False, or None when its capacity is unknown."""
+    def fits(need: int, have: Optional[int]) -> Optional[bool]:
+        return None if have is None else need <= have
+    return {"device": fits(device_total, plan["device_memory"]),
+            "host": fits(plan["node_host_total"], capacity.host_memory),
+            "disk": fits(plan["checkpoint"]["disk_need"], capacity.disk_free)}
+
+
 def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: Optional[int],
-              *, with_reference: bool) -> dict[str, Any]:
-    """The plan as memory_plan.json holds it, every size in bytes."""
+              *, with_reference: bool, capacity: Capacity = Capacity()) -> dict[str, Any]:
+    """The plan as memory_plan.json holds it, every size in bytes; ``fits`` is False when the
+    device, the host of a node or the disk is known not to fit, None when none is known."""
     arch = Architecture.of(model_config)
     reward = reward_model(cfg)
     rollout = rollout_rank(cfg, derived, arch, reward)
@@ -196,14 +301,15 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     single = one_process(cfg, arch, rollout, learner["device"]) if derived.world_size == 1 else None
     # Each rank's own device, or with one process the one device both roles share.
     device_total = single["total"] if single else max(rollout["total"], learner["device"]["total"])
-    ranks_per_node = derived.world_size  # one node: every rank shares the host
     # A rollout rank reads its weights one parameter at a time: as stored, in fp32 while quantized,
     # and its encoded bytes.
-    rollout_host = arch.largest_param * (hf_weights.stored_dtype(model_config).itemsize + 4 + 1)
-    node_host = derived.num_learner_ranks * learner["host"]["total"] + derived.num_rollout_ranks * rollout_host
-    checkpoint = {"per_step": checkpoint_bytes(arch.params),
-                  "per_learner_rank": 12 * math.ceil(arch.params / derived.num_learner_ranks)}
-    fits = None if device_memory is None else device_total <= device_memory
+    stored = hf_weights.stored_dtype(model_config).itemsize
+    rollout_host = arch.largest_param * (stored + 4 + 1)
+    nodes = node_hosts(derived.world_size, derived.nodes, derived.num_learner_ranks, learner["host"]["total"],
+                       rollout_host)
+    busiest = max(nodes, key=lambda node: node["host"])
+    checkpoint = {"per_learner_rank": 12 * math.ceil(arch.params / derived.num_learner_ranks),
+                  **checkpoint_disk(cfg.run, checkpoint_bytes(arch.params), arch.params * stored)}
     layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout + {derived.num_learner_ranks} "
               f"learner" if derived.world_size > 1 else "1 process (both roles)")
     plan_engine = {"rollout_engine": cfg.model.rollout_engine}
@@ -211,11 +317,19 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
         import engine_vllm
 
         plan_engine["vllm"] = engine_vllm.engine_memory(rollout, device_memory)
-    return {**plan_engine, "model": {"params": arch.params}, "layout": layout, "reward_model": reward,
-            "rollout_rank": rollout, "rollout_rank_host_at_start": rollout_host, "learner_rank": learner,
-            "one_process": single,
-            "node_host_total": node_host, "ranks_per_node": ranks_per_node, "checkpoint": checkpoint,
-            "device_memory": device_memory, "fits": fits}
+    plan = {**plan_engine, "model": {"params": arch.params, "fp8_rollout_bytes": arch.fp8_rollout_bytes},
+            "layout": layout, "num_rollout_ranks": derived.num_rollout_ranks,
+            "num_learner_ranks": derived.num_learner_ranks, "reward_model": reward,
+            "rollout_rank": rollout, "rollout_shape": rollout_shape(cfg, derived, rollout),
+            "rollout_rank_host_at_start": rollout_host, "learner_rank": learner, "one_process": single,
+            "nodes": nodes, "ranks_per_node": derived.world_size // derived.nodes,
+            "node_host_total": busiest["host"], "most_loaded_node": busiest["node"],
+            "host_memory": capacity.host_memory, "host_memory_from": capacity.host_from,
+            "checkpoint": checkpoint, "disk_free": capacity.disk_free, "disk_free_from": capacity.disk_from,
+            "device_memory": device_memory}
+    checks = fit_checks(plan, device_total, capacity)
+    known = [ok for ok in checks.values() if ok is not None]
+    return {**plan, "checks": checks, "fits": all(known) if known else None}
 
 
 def biggest_overflow(plan: dict[str, Any]) -> Optional[str]:
@@ -244,36 +358,242 @@ def biggest_overflow(plan: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def node_roles(node: dict[str, Any]) -> str:
+    """'6 rollout + 2 learner', or 'both roles' for one process."""
+    first, last = node["ranks"]
+    if node["rollout_ranks"] + node["learner_ranks"] > last - first + 1:
+        return "both roles"
+    return " + ".join(f"{node[key]} {role}" for key, role in (("rollout_ranks", "rollout"),
+                                                              ("learner_ranks", "learner")) if node[key])
+
+
+def node_name(node: dict[str, Any]) -> str:
+    """'node 1 (ranks 8-15: 6 rollout + 2 learner, the lead)'."""
+    first, last = node["ranks"]
+    ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    return f"node {node['node']} ({ranks}: {node_roles(node)}{', the lead' if node['lead'] else ''})"
+
+
+def host_overflow(plan: dict[str, Any]) -> Optional[str]:
+    if plan["checks"]["host"] is not False:
+        return None
+    node = plan["nodes"][plan["most_loaded_node"]]
+    return (f"{node_name(node)} needs {size_text(node['host'])} of host memory, {size_text(plan['host_memory'])} "
+            f"a node ({plan['host_memory_from']})")
+
+
+def disk_overflow(plan: dict[str, Any]) -> Optional[str]:
+    if plan["checks"]["disk"] is not False:
+        return None
+    return (f"checkpoints need {size_text(plan['checkpoint']['disk_need'])} of disk ({disk_sum(plan)}), "
+            f"{size_text(plan['disk_free'])} {plan['disk_free_from']}")
+
+
+def disk_sum(plan: dict[str, Any]) -> str:
+    """'341.2 GiB per step x (keep_last 3 + 1) + 56.9 GiB Hugging Face weights x 1'."""
+    ck = plan["checkpoint"]
+    if not ck["copies"]:
+        return "save_every 0: no checkpoints"
+    keep = ck["keep_last"]
+    copies = f"(keep_last {keep} + 1)" if ck["copies"] == keep + 1 else f"{ck['copies']} (all the run writes)"
+    text = f"{size_text(ck['per_step'])} per step x {copies}"
+    return text + (f" + {size_text(ck['export_bytes'])} Hugging Face weights x {ck['exports']}" if ck["exports"] else "")
+
+
+def size_text(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def learner_device_without_offload(plan: dict[str, Any]) -> int:
+    """What a learner rank's device holds when its state is there too (learner_offload off)."""
+    host, device = plan["learner_rank"]["host"], plan["learner_rank"]["device"]
+    state = sum(host[k] + device[k] for k in ("params", "grads", "optimizer"))
+    return state + max(device["activations"], host["optimizer_step"] + device["optimizer_step"])
+
+
 def advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
-    """Settings that would shrink what does not fit."""
+    """What to change, for every check that does not fit (the device's rollout and learner ranks,
+    the host of the most loaded node, the disk); a setting already on is never suggested. First,
+    the settings on that the plan shows are needed."""
+    return [*needed_settings(cfg, plan), *device_advice(cfg, plan), *host_advice(cfg, plan), *disk_advice(cfg, plan)]
+
+
+def needed_settings(cfg: Config, plan: dict[str, Any]) -> list[str]:
     memory, notes = plan["device_memory"], []
-    rollout, learner = plan["rollout_rank"], plan["learner_rank"]["device"]
+    if memory is None:
+        return notes
+    rollout = plan["rollout_rank"]
     bf16_rollout = rollout["total"] - rollout["weights"] + 2 * plan["model"]["params"]
-    if memory is not None and cfg.model.rollout_dtype == "fp8" and bf16_rollout > memory:
+    if cfg.model.rollout_dtype == "fp8" and bf16_rollout > memory:
         notes.append(f"rollout_dtype fp8 is needed: with bf16 weights a rollout rank would need "
                      f"{bf16_rollout / GIB:.1f} GiB")
-    host = plan["learner_rank"]["host"]
-    without_offload = host["params"] + host["grads"] + host["optimizer"] + max(learner["activations"],
-                                                                               host["optimizer_step"])
-    if memory is not None and cfg.model.learner_offload and without_offload > memory:
+    without_offload = learner_device_without_offload(plan)
+    if cfg.model.learner_offload and without_offload > memory:
         notes.append(f"learner_offload is needed: without it a learner rank would need {without_offload / GIB:.1f} GiB")
-    if memory is not None and rollout["total"] > memory:
-        if cfg.model.rollout_dtype != "fp8":
-            notes.append(f"rollout_dtype: fp8 would bring the rollout weights from {rollout['weights'] / GIB:.1f} GiB "
-                         f"to about half")
-        if rollout["kv_cache"] > memory / 4:
-            notes.append("fewer sequences per rollout rank (prompts_per_step, sample_num) or a shorter "
-                         "max_response_length shrink the KV cache")
-    if memory is not None and learner["total"] > memory:
-        if learner["params"] + learner["grads"] + learner["optimizer"] > memory / 2:
-            notes.append("the learners need learner_offload: true (parameters, gradients and AdamW state in "
-                         "host memory) or more learner ranks")
-        if learner["activations"] > memory / 4:
-            notes.append("gradient_checkpointing: true and a smaller per_device_batch_size shrink the activations")
     return notes
 
 
-def table(plan: dict[str, Any], notes: list[str]) -> str:
+def device_advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
+    memory, single = plan["device_memory"], plan["one_process"]
+    if memory is None or plan["checks"]["device"] is not False:
+        return []
+    if single is None:
+        return rollout_advice(cfg, plan, memory) + learner_advice(cfg, plan, memory)
+    # Both roles on one device: each has what the other leaves.
+    rollout, learner = plan["rollout_rank"]["total"], plan["learner_rank"]["device"]["total"]
+    return ([f"a torchrun job gives the learner and the rollout a device each (one process needs "
+             f"{single['total'] / GIB:.1f} GiB for both)"]
+            + rollout_advice(cfg, plan, memory - learner) + learner_advice(cfg, plan, memory - rollout))
+
+
+def rollout_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
+    rollout, notes = plan["rollout_rank"], []
+    if rollout["total"] <= room:
+        return notes
+    if cfg.model.rollout_dtype != "fp8":
+        notes.append(f"rollout_dtype: fp8 would bring the rollout weights from {rollout['weights'] / GIB:.1f} GiB "
+                     f"to {plan['model']['fp8_rollout_bytes'] / GIB:.1f} GiB")
+    return notes + kv_cache_advice(cfg, plan, room)
+
+
+def kv_cache_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
+    """The largest prompts_per_step, sample_num and max_response_length (each alone) that fit."""
+    shape, rollout, group = plan["rollout_shape"], plan["rollout_rank"], cfg.rollout.sample_num
+    fixed = rollout["total"] - shape["per_sequence"] * shape["sequences"]  # weights, the sync bucket
+    fit = max(0, (room - fixed) // shape["per_sequence"])  # sequences a rollout rank has room for
+    prompts_here = shape["sequences"] // group
+    options = []
+    if fit // group:
+        options.append(f"prompts_per_step {fit // group * plan['num_rollout_ranks']}")
+    if 1 <= fit // prompts_here < group:
+        options.append(f"sample_num {fit // prompts_here}")
+    response = (room - (rollout["total"] - rollout["kv_cache"])) // shape["kv_per_token"] - cfg.data.max_prompt_length
+    if response >= 1:
+        options.append(f"max_response_length {response}")
+    what = (f"the KV cache ({rollout['kv_cache'] / GIB:.1f} GiB: {shape['sequences']} sequences of {shape['tokens']} "
+            f"tokens a rollout rank)")
+    if not options:
+        return [f"{what} leaves no room for one group: more rollout ranks, or a shorter max_prompt_length"]
+    return [f"{what} would fit with, at most: " + " or ".join(options) + " (or more rollout ranks)"]
+
+
+def learner_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
+    device, notes = plan["learner_rank"]["device"], []
+    if device["total"] <= room:
+        return notes
+    state = device["params"] + device["grads"] + device["optimizer"]
+    if state and plan["one_process"] is None:  # offload and sharding need a torchrun job
+        if not cfg.model.learner_offload:
+            notes.append(f"the learners need learner_offload: true (parameters, gradients and AdamW state, "
+                         f"{state / GIB:.1f} GiB a rank, in host memory) or more learner ranks")
+        more = learners_that_fit(cfg, plan, room)
+        if more:
+            notes.append(f"learner_ranks {more} would shard that state to {state * plan['num_learner_ranks'] / more / GIB:.1f} "
+                         f"GiB a rank")
+    if device["activations"] > min(room / 4, room - state):
+        notes += activation_advice(cfg, device["activations"])
+    return notes
+
+
+def learners_that_fit(cfg: Config, plan: dict[str, Any], room: int) -> Optional[int]:
+    """The fewest learner ranks (more than now) that split a step's sequences evenly and shard
+    the learner state small enough for ``room``; None when none does."""
+    device, learners = plan["learner_rank"]["device"], plan["num_learner_ranks"]
+    state = device["params"] + device["grads"] + device["optimizer"]
+    sequences = cfg.rollout.prompts_per_step * cfg.rollout.sample_num
+    per_rank = cfg.optim.per_device_batch_size * cfg.optim.gradient_accumulation_steps
+    for k in range(learners + 1, sequences // per_rank + 1):
+        scale = learners / k  # every item of the state is a shard's multiple
+        if sequences % (per_rank * k) == 0 and state * scale + max(device["activations"],
+                                                                    device["optimizer_step"] * scale) <= room:
+            return k
+    return None
+
+
+def activation_advice(cfg: Config, activations: int) -> list[str]:
+    notes = []
+    if not cfg.model.gradient_checkpointing:
+        notes.append(f"gradient_checkpointing: true recomputes the activations ({activations / GIB:.1f} GiB) in "
+                     f"backward, keeping one layer's")
+    batch, accumulation = cfg.optim.per_device_batch_size, cfg.optim.gradient_accumulation_steps
+    if batch > 1:
+        smaller = max(d for d in range(1, batch) if batch % d == 0)
+        notes.append(f"per_device_batch_size {smaller} with gradient_accumulation_steps {accumulation * batch // smaller} "
+                     f"(the same mini-batch) shrinks the activations about {batch // smaller}x")
+    else:
+        notes.append(f"a shorter max_response_length: the activations are a micro-batch's of 1 x "
+                     f"{cfg.data.max_prompt_length + cfg.rollout.max_response_length} tokens")
+    return notes
+
+
+def host_advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
+    if plan["checks"]["host"] is not False:
+        return []
+    node, notes = plan["nodes"][plan["most_loaded_node"]], []
+    host, memory = plan["learner_rank"]["host"], plan["device_memory"]
+    if plan["host_memory_from"] != "host_memory_gb":  # a plan made on another machine than the run's
+        notes.append("host_memory_gb: the host memory of a node that will run it, if this machine is not one")
+    if cfg.model.learner_offload and node["learner_ranks"] and memory is not None:
+        on_device = learner_device_without_offload(plan)
+        if on_device <= memory:
+            moved = node["learner_ranks"] * sum(host[k] for k in ("params", "grads", "optimizer", "optimizer_step"))
+            notes.append(f"learner_offload: false moves {moved / GIB:.1f} GiB of node {node['node']}'s host memory "
+                         f"to the learners' devices, which have room ({on_device / GIB:.1f} of {memory / GIB:.1f} GiB)")
+    notes += more_nodes_advice(plan)
+    if host["checkpoint_copy"] and node["learner_ranks"]:
+        copy = node["learner_ranks"] * host["checkpoint_copy"]
+        notes.append(f"node {node['node']} holds {copy / GIB:.1f} GiB of checkpoint copies while a checkpoint is "
+                     f"written ({(node['host'] - copy) / GIB:.1f} GiB without them): save_every changes how often, "
+                     f"not how much; only save_every 0 (no checkpoints) drops them")
+    return notes
+
+
+def more_nodes_advice(plan: dict[str, Any]) -> list[str]:
+    """The fewest nodes (more than now) over which the same ranks fit; else how many learner
+    ranks, spread over nodes of the same size, would split the learners' host memory enough."""
+    world, learners, have = plan["ranks_per_node"] * len(plan["nodes"]), plan["num_learner_ranks"], plan["host_memory"]
+    if world == 1:
+        return []
+    learner_host, rollout_host = plan["learner_rank"]["host"]["total"], plan["rollout_rank_host_at_start"]
+    for nodes in (n for n in range(len(plan["nodes"]) + 1, world + 1) if world % n == 0):
+        need = max(node["host"] for node in node_hosts(world, nodes, learners, learner_host, rollout_host))
+        if need <= have:
+            per_node = world // nodes
+            return [f"--nnodes {nodes} ({per_node} rank{'s' * (per_node > 1)} a node): the most loaded node would "
+                    f"need {need / GIB:.1f} GiB"]
+    per_node, all_learners = plan["ranks_per_node"], learners * learner_host
+    wanted = math.ceil(per_node * all_learners / have)  # a node full of learners holds per_node of them
+    if wanted <= learners:
+        return []
+    ranks = world - learners + wanted
+    return [f"the learners' host memory ({all_learners / GIB:.1f} GiB in all) is split over learner_ranks, and a "
+            f"node of {per_node} ranks holds {per_node} of them at most: about learner_ranks {wanted} "
+            f"({ranks} ranks, {math.ceil(ranks / per_node)} nodes of {per_node}; a step's sequences split over them) "
+            f"would fit"]
+
+
+def disk_advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
+    if plan["checks"]["disk"] is not False:
+        return []
+    ck, free, notes = plan["checkpoint"], plan["disk_free"], []
+    need = {keep: checkpoint_disk(replace(cfg.run, keep_last=keep), ck["per_step"], ck["export_bytes"])
+            for keep in range(1, ck["keep_last"] + 1)}
+    fitting = [keep for keep in need if need[keep]["disk_need"] <= free]
+    if fitting:
+        keep = max(fitting)
+        notes.append(f"keep_last {keep}: {need[keep]['copies']} checkpoints on disk at once, "
+                     f"{need[keep]['disk_need'] / GIB:.1f} GiB")
+    else:
+        notes.append(f"not even keep_last 1 fits ({need[1]['disk_need'] / GIB:.1f} GiB: one checkpoint kept, one "
+                     f"being written): put output_dir on a disk with more room (disk_gb: what is free there)")
+    if ck["exports"] > 1:
+        notes.append(f"hf_export_every 0 (Hugging Face weights in the last checkpoint only) needs "
+                     f"{(ck['exports'] - 1) * ck['export_bytes'] / GIB:.1f} GiB less")
+    return notes
+
+
+def rank_lines(plan: dict[str, Any]) -> list[str]:
+    """What a rollout rank and a learner rank hold (and one process, both roles on one device)."""
     gib = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
     rollout, learner = plan["rollout_rank"], plan["learner_rank"]
     lines = [f"model: {plan['model']['params'] / 1e9:.2f}B parameters; {plan['layout']}",
@@ -298,15 +618,56 @@ def table(plan: dict[str, Any], notes: list[str]) -> str:
         lines.append(f"  {'start_up':<16} {gib(single['start_up'])}  (learner params + "
                      f"{single['fp32_rollout_copy'] / GIB:.2f} GiB fp32 rollout copy)")
         lines.append(f"  {'peak':<16} {gib(single['total'])}  at {single['peak_at']}")
-    lines += [f"host memory per node: {gib(plan['node_host_total'])}",
-              f"checkpoint: {gib(plan['checkpoint']['per_step'])} per step, "
-              f"{gib(plan['checkpoint']['per_learner_rank'])} written by each learner rank"]
+    return lines
+
+
+def node_lines(plan: dict[str, Any]) -> list[str]:
+    """Each node's host memory, nodes alike (same ranks' roles, not the lead) on one line."""
+    nodes, per_node = plan["nodes"], plan["ranks_per_node"]
+    lines = [f"host memory per node ({len(nodes)} node{'s' * (len(nodes) > 1)} of {per_node} "
+             f"rank{'s' * (per_node > 1)}):"]
+    groups: list[list[dict[str, Any]]] = []
+    for node in nodes:
+        alike = groups and not node["lead"] and not groups[-1][-1]["lead"] and groups[-1][-1]["host"] == node["host"]
+        groups[-1].append(node) if alike else groups.append([node])
+    names = [node_name(group[0]) if len(group) == 1 else
+             f"nodes {group[0]['node']}-{group[-1]['node']} ({node_roles(group[0])} each)" for group in groups]
+    width = max(len(name) for name in names)
+    lines += [f"  {name:<{width}} {plan_gib(group[0]['host'])}" for name, group in zip(names, groups)]
+    lines.append(f"checkpoint: {plan_gib(plan['checkpoint']['per_step'])} per step, "
+                 f"{plan_gib(plan['checkpoint']['per_learner_rank'])} written by each learner rank")
+    return lines
+
+
+def plan_gib(n: int) -> str:
+    return f"{n / GIB:9.2f} GiB"
+
+
+def check_lines(plan: dict[str, Any]) -> list[str]:
+    """Device, host per node, disk: what is needed, what there is, and whether it fits."""
+    verdict = {True: "fits", False: "DOES NOT FIT"}
+    checks, lines = plan["checks"], []
     if plan["device_memory"] is None:
         lines.append("device memory: unknown (set device_memory_gb): fit not checked")
     else:
-        lines.append(f"device memory: {gib(plan['device_memory'])}: " + ("fits" if plan["fits"] else "DOES NOT FIT"))
-    lines += [f"  - {note}" for note in notes]
-    return "\n".join(lines)
+        lines.append(f"device memory: {plan_gib(plan['device_memory'])}: {verdict[checks['device']]}")
+    need = f"need {plan['node_host_total'] / GIB:.2f}"
+    if plan["host_memory"] is None:
+        lines.append(f"host memory per node: {need} GiB, available unknown (set host_memory_gb): not checked")
+    else:
+        where = "" if checks["host"] else f" (node {plan['most_loaded_node']})"
+        lines.append(f"host memory per node: {need} of {plan['host_memory'] / GIB:.2f} GiB "
+                     f"({plan['host_memory_from']}): {verdict[checks['host']]}{where}")
+    disk = f"checkpoint disk: need {plan['checkpoint']['disk_need'] / GIB:.2f} GiB ({disk_sum(plan)})"
+    if plan["disk_free"] is None:
+        lines.append(f"{disk}, free unknown (set disk_gb): not checked")
+    else:
+        lines.append(f"{disk} of {plan['disk_free'] / GIB:.2f} GiB {plan['disk_free_from']}: {verdict[checks['disk']]}")
+    return lines
+
+
+def table(plan: dict[str, Any], notes: list[str]) -> str:
+    return "\n".join(rank_lines(plan) + node_lines(plan) + check_lines(plan) + [f"  - {note}" for note in notes])
 
 
 def write(plan: dict[str, Any], path: Path) -> None:
@@ -333,28 +694,31 @@ def record_usage(layout: Layout, plat: Platform, out_dir: Path) -> None:
 
 
 def check(cfg: Config, derived: Derived, device_memory: Optional[int], *, with_reference: bool, plan_only: bool,
-          lead: bool) -> bool:
-    """``--plan``: print the plan and write OUTPUT_DIR/memory_plan.json (returns True: nothing
-    else to do). A run: refuse to start (UserError naming the biggest item) when the plan does
-    not fit the device memory, which is known from ``device_memory_gb`` or the device itself."""
+          lead: bool) -> Optional[int]:
+    """``--plan``: print the plan, write OUTPUT_DIR/memory_plan.json and return the exit status:
+    0 when it fits, 1 when the device, a node's host memory or the disk does not. A run: None,
+    after refusing to start (UserError naming what does not fit) when the device (device_memory_gb
+    or what the device reports), the host memory of a node (host_memory_gb or MemTotal) or, with
+    disk_gb, the disk is known not to fit. Free space as the filesystem reports it is a warning
+    only: it changes while a run goes on, and the checkpointer warns again before each save."""
     from transformers import AutoConfig
 
-
     memory = int(cfg.run.device_memory_gb * GIB) if cfg.run.device_memory_gb else device_memory
-    if not plan_only and memory is None:
-        return False  # a CPU run without device_memory_gb: nothing to check against
+    capacity = machine_capacity(cfg)
     model_config = AutoConfig.from_pretrained(cfg.model.model_path, local_files_only=True)
-    plan = make_plan(cfg, derived, model_config, memory, with_reference=with_reference)
+    plan = make_plan(cfg, derived, model_config, memory, with_reference=with_reference, capacity=capacity)
     if plan_only:
         if lead or "WORLD_SIZE" not in os.environ:  # one line of output per job, not per rank
             print(table(plan, advice(cfg, plan)), flush=True)
             out = Path(cfg.run.output_dir)
             out.mkdir(parents=True, exist_ok=True)
             write(plan, out / "memory_plan.json")
-        return True
-    overflow = biggest_overflow(plan)
-    if overflow:
-        raise UserError(f"the memory plan does not fit: {overflow} (python train_dapo.py --config ... --plan "
-                        f"shows it all)")
-    return False
-
+        return 1 if plan["fits"] is False else 0
+    disk = disk_overflow(plan)
+    problems = [p for p in (biggest_overflow(plan), host_overflow(plan), None if capacity.disk_measured else disk) if p]
+    if problems:
+        raise UserError(f"the memory plan does not fit: {'; '.join(problems)} (python train_dapo.py --config ... "
+                        f"--plan shows it all)")
+    if disk and lead:
+        warn(f"{disk}: a save may fail for want of room; fewer keep_last, or another disk (--plan shows it all)")
+    return None

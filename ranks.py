@@ -50,6 +50,11 @@ def whereabouts() -> tuple[str, int]:
     return _current_phase, _current_step
 
 
+def dead_peer() -> Optional[str]:
+    """What a rank of this job that died on this host was doing (liveness.Liveness.dead_peer)."""
+    return _liveness.dead_peer(dist.get_world_size()) if _liveness is not None else None
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -59,6 +64,8 @@ def phase(name: str) -> Iterator[None]:
     global _current_phase
     outer, _current_phase = _current_phase, name
     try:
+        if _liveness is not None:
+            _liveness.announce()
         faults.strike(_rank(), name, _current_step, _liveness.peer if _liveness else lambda rank: None)
         yield
     except PhaseError:
@@ -295,7 +302,7 @@ class WeightBroadcast:
     or FP8 values and scales).
 
     Parameters travel under their in-memory names and shapes, which are the same at both ends
-    (one model class) even for fused MoE experts whose on-disk names differ (PLATFORM.md). One
+    (one model class) even for fused MoE experts whose on-disk names differ (docs/platform.md). One
     buffer, the size of the largest bucket, is allocated once and reused: a fresh buffer is much
     slower on first touch, and one buffer per bucket would be a second copy of the model.
     """

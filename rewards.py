@@ -3,7 +3,7 @@
 A rule scores one decoded response (text without special tokens) against the prompt's
 reference answer. Rules may raise on output they cannot parse; `score_with_rule` turns every
 such failure into the rule's "wrong" score and counts it, so a reward never raises on what a
-model wrote (REFERENCE.md §1). A reward model (`RewardModelScorer`) scores prompt + response
+model wrote (docs/algorithm.md §1). A reward model (`RewardModelScorer`) scores prompt + response
 by its single logit; on a rollout rank (`RewardModelScorer.for_rollout`) it is loaded straight
 onto the rank's device in the rollout's compute dtype, frozen, and counted by the memory plan
 at that dtype. Overlong reward shaping is not applied here: the trainer adds it.
@@ -151,7 +151,7 @@ def demo_arithmetic(response: str, answer: str | None) -> tuple[float, bool]:
     """1.0 if the whole response (outer whitespace stripped) is exactly the answer, else 0.0.
 
     Strict on purpose: a lenient "first integer" reward let a run degrade to "5hhhhhhh"
-    (PLATFORM.md). Anything that is not a bare integer raises MalformedResponse.
+    (docs/platform.md). Anything that is not a bare integer raises MalformedResponse.
     """
     if answer is None:
         raise ValueError("demo_arithmetic needs a reference answer")

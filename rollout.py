@@ -50,7 +50,7 @@ class RewardSource:
 
 def shaped_rewards(scored: Scored, lengths: torch.Tensor, *, max_response_length: int,
                    overlong_buffer_len: int, overlong_penalty_factor: float) -> torch.Tensor:
-    """The reward function's score plus DAPO's soft overlong punishment (REFERENCE.md §1)."""
+    """The reward function's score plus DAPO's soft overlong punishment (docs/algorithm.md §1)."""
     penalty = dapo_loss.overlong_penalty(
         lengths, max_response_length=max_response_length,
         buffer_len=overlong_buffer_len, penalty_factor=overlong_penalty_factor,
@@ -59,7 +59,7 @@ def shaped_rewards(scored: Scored, lengths: torch.Tensor, *, max_response_length
 
 
 def keep_informative(batch: SampleBatch, metric: str) -> list[int]:
-    """Indices of groups whose metric is not constant (REFERENCE.md §3)."""
+    """Indices of groups whose metric is not constant (docs/algorithm.md §3)."""
     values = batch.correct.float() if metric == "acc" else batch.reward
     return torch.nonzero(dapo_loss.informative_groups(values, batch.group_size)).flatten().tolist()
 
@@ -116,33 +116,6 @@ def check_rollout_inputs(cfg: Config) -> None:
         if outside:
             raise UserError(f"eos_token_ids: {outside[0]} is outside the vocabulary of model_path "
                             f"{cfg.model.model_path} ({vocab_size} ids, 0 to {vocab_size - 1})")
-
-
-def check_reward_on_data(cfg: Config) -> None:
-    """Refuse (UserError) before any model loads a reward rule that fails on the first training
-    row, or that compares with reference answers where a row (training or validation) has none."""
-    from data_prep import DEFAULT_ANSWER_KEY, VERL_ANSWER_KEY, DataError, read_rows
-    from rewards import probe_rule, resolve_rule
-
-    if cfg.model.reward_model:
-        return
-    rule = resolve_rule(cfg.model.reward_fn)
-    data = cfg.data
-    try:
-        files = [(path, read_rows(path, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                                  skip_bad_rows=data.skip_bad_rows))
-                 for path in (data.dataset, data.val_dataset) if path]
-    except DataError as exc:
-        raise UserError(str(exc)) from None
-    for path, rows in files:
-        missing = next((i for i, answer in enumerate(rows.answers) if answer is None), None)
-        if rule.needs_answer and missing is not None:
-            fallback = f" (nor at {VERL_ANSWER_KEY})" if data.answer_key == DEFAULT_ANSWER_KEY else ""
-            raise UserError(f"{rows.locations[missing]}: no reference answer at answer_key {data.answer_key!r}"
-                            f"{fallback}, which reward_fn {rule.name} needs (set answer_key to the field that holds it)")
-    _, rows = files[0]
-    if rows.answers:
-        probe_rule(rule, rows.answers[0], rows.infos[0], rows.locations[0])
 
 
 def stop_ids(cfg: Config, tokenizer) -> list[int]:
@@ -377,7 +350,7 @@ Generated = tuple[list[SampleBatch], int, float]  # (batches, malformed response
 
 
 class DynamicSampler:
-    """The lead learner's side of DAPO dynamic sampling (REFERENCE.md §3): generation batches are
+    """The lead learner's side of DAPO dynamic sampling (docs/algorithm.md §3): generation batches are
     pooled until ``prompts_per_step`` informative groups are in; surplus groups wait for the next
     step. Every sample not yet trained on lives here, so a checkpoint saves it from here."""
 

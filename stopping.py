@@ -88,7 +88,9 @@ def _wait_for_a_signal(watched: _Watch) -> None:
 def _stop(signum: signal.Signals, watched: _Watch) -> None:
     _stopping.set()
     layout, (where, step) = watched.layout, ranks.whereabouts()
-    died = f"error: rank {layout.rank}: {where} failed (the launcher stopped this rank after another rank died)"
+    dead = ranks.dead_peer()
+    died = f"error: {dead}; the launcher stopped the other ranks" if dead else \
+        f"error: rank {layout.rank}: {where} failed (the launcher stopped this rank after another rank died)"
     # A frozen rank 0 never answers the count in its store: its silence means the same.
     threading.Timer(2 * STOP_GRACE_S, _leave, args=(1, died)).start()
     status, line = 1, died
@@ -106,8 +108,7 @@ def _stop(signum: signal.Signals, watched: _Watch) -> None:
 
 def _leave(status: int, line: str) -> None:
     if line:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        say_once_per_job(line)
     os._exit(status)  # now, whatever the training thread is blocked in
 
 
@@ -155,23 +156,30 @@ def failure_line(error: BaseException) -> str:
             f"then {ckpt.resume_hint(out)}")
 
 
+BAD_INPUT_STATUS = 2  # what a rank exits with after its one line about bad input (train_dapo)
+
+
 class _StopChatter(logging.Filter):
-    """Drops torchrun's own lines about a stop signal it got and forwards to the workers: they say
-    what matters, once."""
+    """Drops torchrun's own lines about a stop signal it got and forwards to the workers, and
+    about a rank that exited on bad input: the workers say what matters, once."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stopping = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        self.stopping = self.stopping or str(record.msg).startswith("Received %s death signal")
-        return not (self.stopping and ("death signal" in str(record.msg) or "closing signal" in str(record.msg)))
+        message = str(record.msg)
+        self.stopping = self.stopping or message.startswith("Received %s death signal")
+        if message.startswith("failed (exitcode: %s)") and record.args and record.args[0] == BAD_INPUT_STATUS:
+            return False
+        return not (self.stopping and ("death signal" in message or "closing signal" in message))
 
 
 def run_torchrun(argv: list[str]) -> int:
-    """torchrun with ``argv``; a job stopped by a signal returns 128 + the signal number, without
-    torchrun's traceback."""
+    """torchrun with ``argv``; a job stopped by a signal returns 128 + the signal number, and one
+    whose ranks all stopped on bad input returns 2, without torchrun's traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     chatter = _StopChatter()
@@ -183,7 +191,31 @@ def run_torchrun(argv: list[str]) -> int:
         return 128 + stop.sigval
     except KeyboardInterrupt:  # Ctrl-C before torchrun took the signals over
         return 128 + signal.SIGINT
+    except ChildFailedError as failed:
+        if {failure.exitcode for failure in failed.failures.values()} == {BAD_INPUT_STATUS}:
+            return BAD_INPUT_STATUS
+        raise
     return 0
+
+
+def say_once_per_job(line: str) -> None:
+    """Write ``line`` to stderr unless another rank of this torchrun job on this machine already
+    has: bad input is seen alike by every rank, and the user needs to read it once."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import hashlib
+        import tempfile
+
+        digest = hashlib.sha1(f"{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{line}".encode())
+        try:
+            os.close(os.open(Path(tempfile.gettempdir()) / f"dapo-said-{digest.hexdigest()[:16]}",
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+        except OSError:
+            pass  # no temporary folder to mark it in: say it anyway
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

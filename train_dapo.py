@@ -1,5 +1,5 @@
 """DAPO training: the entry point, the only file with side effects at start-up, and the step's
-choreography: who sends what to whom, in which order (DESIGN.md).
+choreography: who sends what to whom, in which order (docs/design.md).
 
     python train_dapo.py --config configs/demo_cpu.yaml [--KEY VALUE ...]      # one process, both roles
     torchrun --nproc_per_node=8 train_dapo.py --config ... [--KEY VALUE ...]  # 6 rollout + 2 learner ranks
@@ -29,14 +29,14 @@ import memory_plan
 import resuming
 import stopping
 from config import Config, Derived, Schedule, UserError, load_config, split_inspection, uses_fsdp, warnings_for
-from data_prep import load_run_inputs
+from data_prep import check_reward_on_data, load_run_inputs
 from device import Platform, experts_implementation, seed_everything, select_platform, write_env_report
 from learner import Learner, check_model_type, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum, at_step,
                    broadcast_samples, finish_together, init_world, leave_world, phase)
 from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, build_engine, check_engine,
-                     check_reward_on_data, check_rollout_inputs, load_rollout_model, wire_dtype)
+                     check_rollout_inputs, load_rollout_model, wire_dtype)
 from samples import SampleBatch
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
@@ -115,7 +115,7 @@ class Trainer:
     # ----- the algorithm (override these) -------------------------------------------------------
 
     def compute_advantages(self, batch: SampleBatch) -> torch.Tensor:
-        """Group-relative advantages, one per response (REFERENCE.md §2)."""
+        """Group-relative advantages, one per response (docs/algorithm.md §2)."""
         return dapo_loss.group_advantages(batch.reward, batch.group_size, norm_by_std=self.cfg.algo.norm_adv_by_std)
 
     def update_policy(self, batch: SampleBatch, advantages: torch.Tensor) -> dict[str, Any]:
@@ -257,27 +257,33 @@ class Trainer:
         self.run_learner() if self.layout.is_learner else self.run_rollout()
 
 
+def launch_layout(cfg: Config, ranks: Optional[int], nodes: Optional[int]) -> tuple[Derived, Layout]:
+    """The world this process is in (torchrun's), or the one --plan / --dry_run lays out: its
+    ``ranks`` over ``nodes``, each torchrun's when not given."""
+    world_size = ranks or int(os.environ.get("WORLD_SIZE", "1"))
+    derived = Derived.of(cfg, world_size, nodes=nodes or config.torchrun_nodes())
+    return derived, Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
+                           num_learners=derived.num_learner_ranks)
+
+
 @config.answers_usage  # -h/--help: every key with its default, exit 0; no arguments: the usage, exit 2
 def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     """The run; ``trainer_class`` is a user's subclass of :class:`Trainer` (README.md)."""
     groups = None
     try:
-        argv, inspection, inspected_ranks = split_inspection(argv)  # --plan / --dry_run [WORLD_SIZE]
+        argv, inspection, *asked = split_inspection(argv)  # --plan / --dry_run [WORLD_SIZE] [--nnodes N]
         cfg = load_config(argv)
-        world_size = inspected_ranks or int(os.environ.get("WORLD_SIZE", "1"))
-        derived = Derived.of(cfg, world_size)
-        layout = Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
-                        num_learners=derived.num_learner_ranks)
-        lead = layout.is_lead
+        derived, layout = launch_layout(cfg, *asked)
+        world_size, lead = layout.world_size, layout.is_lead
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         check_model_type(cfg.model.model_path)  # before any model loads and before output_dir is written
         check_rollout_inputs(cfg)
         check_report_to(cfg.run.report_to)
         if inspection == "dry_run":
             return dry_run.run(cfg, derived)
-        if memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
-                             plan_only=inspection == "plan", lead=lead):
-            return 0
+        if (status := memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
+                                        plan_only=inspection == "plan", lead=lead)) is not None:
+            return status  # --plan: 0 when it fits, 1 when it does not
         check_engine(cfg, plat)  # vLLM installed, FP8 available: before output_dir is written
         check_reward_on_data(cfg)
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
@@ -311,8 +317,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         memory_plan.record_usage(layout, plat, out)
         finish_together()
     except UserError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 2
+        stopping.say_once_per_job(f"error: {e}")
+        return stopping.BAD_INPUT_STATUS
     except (PhaseError, ckpt.CheckpointError, OSError) as e:  # OSError: a full disk among others
         sys.stderr.write(f"error: {stopping.failure_line(e)}\n")
         return 1

@@ -43,8 +43,8 @@ class Job:
 
     @property
     def victims(self) -> dict[str, int]:
-        """The rank each row kills: a rollout rank other than 0 (which holds the store), the lead
-        learner, the other learner (ranks 2, 6 and 7 of 8)."""
+        """The rank each row kills: a rollout rank other than 0 (which holds the store) where there
+        are several, the lead learner, the other learner (ranks 2, 6 and 7 of 8; 0, 1, 2 of 3)."""
         lead = self.nproc - self.learners
         return {"rollout": min(2, lead - 1), "lead learner": lead, "other learner": lead + 1}
 

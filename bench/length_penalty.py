@@ -5,7 +5,7 @@ at the same seed, for several seeds.
 
 For each seed it trains the demo twice (the shape users run: 8 ranks), prints the mean response
 length over the last steps and the greedy val accuracy at the end of both runs, and ends with
-how many seeds the penalty shortened. The penalty is REFERENCE.md §5's group-relative term:
+how many seeds the penalty shortened. The penalty is docs/algorithm.md §5's group-relative term:
 responses longer than their group's mean are pushed down, shorter ones up.
 """
 from __future__ import annotations

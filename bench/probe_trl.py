@@ -44,7 +44,7 @@ def trl_config(plat: Platform, probe: Probe, run_dir: Path):
         max_completion_length=work.new_tokens, temperature=1.0, top_p=1.0, loss_type="dapo", epsilon=0.2,
         epsilon_high=0.28, beta=0.0, learning_rate=1e-6, bf16=True, gradient_checkpointing=True,
         router_aux_loss_coef=0.0,  # DAPO (and this project) has no MoE load-balancing loss
-        # The probe's bf16 weights as stored: how PLATFORM.md's TRL baseline (7.5 s, 27 GB) ran.
+        # The probe's bf16 weights as stored: how docs/platform.md's TRL baseline (7.5 s, 27 GB) ran.
         model_init_kwargs={"dtype": "bfloat16"}, use_cpu=plat.kind == "cpu", logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
 

@@ -3,7 +3,7 @@ settings, and the weight sync into vLLM as a fraction of a generation batch.
 
     OMP_NUM_THREADS=1 python bench/rollout_engines.py [--rounds 5] [--widths 16 48] [--lengths 8 64]
 
-On the head_dim-32 demo model (vLLM's CPU attention has no head_dim 16), fp32, temperature 1.0:
+On the demo model, fp32, temperature 1.0:
 for every width (sequences per call) and length (new tokens, no stop token, so every response
 is that long) both engines generate in turns, ``--rounds`` times; printed are the median seconds
 of each and the median of the paired ratios builtin / vLLM (above 1: vLLM is faster). Then the
@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         assets = Path(tmp) / "assets"
-        build_demo_assets(assets, seed=0, head_dim=32)
+        build_demo_assets(assets, seed=0)
         builtin, vllm, tokenizer = engines(assets, max(max(args.widths), 48), max(args.lengths))
         prompts = load_prompts(assets / "val.jsonl", tokenizer).prompt_ids
         print(f"demo model (head_dim 32), fp32, temperature 1.0, {args.rounds} paired rounds; "

@@ -27,7 +27,7 @@ def test_the_probe_step_is_about_170_tflop_of_learner_work():
     params, active_layer_params, lm_head_params = count_parameters(probe_config(4, small=False))
     probe = Probe(folder=Path("unused"), layers=4, small=False, work=FULL_WORK, prompt_tokens=36, params=params,
                   active_layer_params=active_layer_params, lm_head_params=lm_head_params)
-    # PLATFORM.md estimates ~200 TFLOP, counting the lm_head on every token and in the recompute.
+    # docs/platform.md estimates ~200 TFLOP, counting the lm_head on every token and in the recompute.
     assert 1.5e14 < probe.training_flops(FULL_WORK.sequences * FULL_WORK.new_tokens) < 2.0e14
 
 

@@ -2,7 +2,7 @@
 
 Most checks take step 1's batch of the demo, run the learner's update on it with the whole batch
 as one mini-batch, and capture the gradient the learner accumulated (micro-batch by micro-batch)
-just before its optimizer step. The reference is the loss written out by hand from REFERENCE.md
+just before its optimizer step. The reference is the loss written out by hand from docs/algorithm.md
 on the whole batch in one forward pass; an option that did nothing, or the wrong thing, would
 move the gradient away from it. At step 1 the policy is the weights that generated the batch,
 so old_logp is the policy's own log-prob and every ratio is 1.
@@ -91,7 +91,7 @@ def reference_gradient(trainer, batch, loss_of) -> list[torch.Tensor]:
 
 
 def clipped_token_loss(logp, old, advantages):
-    """REFERENCE.md §4 token by token: -min(r A, clip(r, 0.8, 1.28) A), dual clip at 10 for A < 0."""
+    """docs/algorithm.md §4 token by token: -min(r A, clip(r, 0.8, 1.28) A), dual clip at 10 for A < 0."""
     ratio = torch.exp(logp - old)
     adv = advantages[:, None]
     loss = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)

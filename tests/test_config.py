@@ -120,6 +120,28 @@ def test_more_learner_ranks_than_the_job_allows_is_an_error():
                                   f"{world - 1} or start more processes")
 
 
+def test_plan_and_dry_run_take_a_world_size_and_its_nodes(monkeypatch):
+    from config import split_inspection
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert split_inspection(["--plan", "16", "--nnodes", "2", "--seed", "1"]) == (["--seed", "1"], "plan", 16, 2)
+    assert split_inspection(["--nnodes=4", "--dry_run"]) == ([], "dry_run", 8, 4)
+    assert split_inspection(["--plan"]) == ([], "plan", 8, 1)  # one node of 8
+    assert split_inspection(["--seed", "1"]) == (["--seed", "1"], None, None, None)  # a run: torchrun's layout
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert split_inspection(["--plan"]) == ([], "plan", 16, 2) and config.torchrun_nodes() == 2
+    with pytest.raises(ConfigError, match="--nnodes goes with --plan or --dry_run"):
+        split_inspection(["--nnodes", "2"])
+    with pytest.raises(ConfigError, match="--nnodes expects a number of nodes >= 1, got '0'"):
+        split_inspection(["--plan", "--nnodes", "0"])
+    cfg = load_config(["--learner_ranks", "2"])
+    assert Derived.of(cfg, 16, nodes=2).nodes == 2
+    with pytest.raises(ConfigError, match="--nnodes 3 does not split 8 ranks evenly"):
+        Derived.of(cfg, 8, nodes=3)
+
+
 def test_train_dapo_refuses_too_many_learner_ranks_before_writing_anything(tmp_path):
     # WORLD_SIZE as torchrun sets it: the check comes before any process group is formed.
     out = tmp_path / "run"

@@ -1,5 +1,6 @@
 """The memory plan against bytes counted by hand, on the demo model and on Qwen3-30B-A3B."""
 import json
+import math
 import subprocess
 import sys
 import time
@@ -8,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import train_dapo
-from config import Derived, load_config
-from memory_plan import biggest_overflow, make_plan, table
+from config import Derived, RunConfig, load_config
+from memory_plan import GIB, Capacity, advice, biggest_overflow, checkpoint_disk, checkpoint_room, make_plan, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ def test_the_demo_models_plan_is_the_hand_computed_one(demo_assets, tmp_path):
 
     c = json.loads((demo_assets / "model" / "config.json").read_text())
     counted = hand_count(c)
-    assert counted["params"] == 229_056  # as README says of the demo model
+    assert counted["params"] == 253_696  # as README says of the demo model
     # The FP8 copy is measured with its buffers: the rotary embedding's float32 inverse
     # frequencies, twice (transformers keeps the original beside the current ones).
     rotary_buffers = 2 * c["head_dim"] // 2 * 4
@@ -47,8 +48,8 @@ def test_the_demo_models_plan_is_the_hand_computed_one(demo_assets, tmp_path):
         plan = make_plan(cfg, Derived.of(cfg, 8), model_config, 2**30, with_reference=kl != "0")
         params = counted["params"]
         assert plan["model"]["params"] == params
-        # 6 rollout ranks: one prompt x 8 responses each, 64 + 8 tokens, K and V of 2 layers x 2 heads x 16.
-        assert plan["rollout_rank"]["kv_cache"] == 8 * 72 * 2 * 2 * 2 * 16 * (4 if dtype == "fp32" else 2)
+        # 6 rollout ranks: one prompt x 8 responses each, 64 + 8 tokens, K and V of 2 layers x 2 heads x 32.
+        assert plan["rollout_rank"]["kv_cache"] == 8 * 72 * 2 * 2 * 2 * 32 * (4 if dtype == "fp32" else 2)
         weights = 4 * params if dtype == "fp32" else counted["fp8_bytes"] + rotary_buffers
         assert plan["rollout_rank"]["weights"] == weights
         shard = params // 2 + params % 2  # FSDP2 over 2 learner ranks
@@ -146,7 +147,7 @@ def test_one_process_holds_the_learner_and_the_rollout_on_one_device_and_plans_t
         # The rollout side: every sequence of the step on this one device (6 x 8 of 64 + 8 tokens).
         compute = 4 if rollout_dtype == "fp32" else 2
         rollout_weights = {"fp32": 4 * params, "bf16": 2 * params, "fp8": counted["fp8_bytes"] + rotary_buffers}
-        kv_cache = 48 * 72 * 2 * 2 * 2 * 16 * compute
+        kv_cache = 48 * 72 * 2 * 2 * 2 * 32 * compute
         rollout_total = rollout_weights[rollout_dtype] + kv_cache + rollout["activations"]
         assert (learner["params"], learner["total"], rollout["total"]) == (weights, learner_total, rollout_total)
         # Steady state: both roles together. Start-up: the learner's weights and the rollout copy's fp32
@@ -163,13 +164,18 @@ def test_one_process_holds_the_learner_and_the_rollout_on_one_device_and_plans_t
         assert make_plan(cfg, Derived.of(cfg, 1), model_config, steady, with_reference=kl != "0")["fits"] is True
 
 
-def plan_30b(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+# The node the shipped 30B config is written for, rather than this machine's own host memory and
+# disk (what --plan checks against by default): room for its 982.5 GiB a node and 1.4 TiB of checkpoints.
+TARGET_NODE = ("--host_memory_gb", "1024", "--disk_gb", "2048")
+
+
+def plan_30b(out: Path, *extra: str, status: int = 0) -> tuple[subprocess.CompletedProcess, float]:
     config = ROOT / "configs" / "models" / "qwen3-30b-a3b"
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "train_dapo.py", "--config", "configs/qwen3_30b_a3b_dapo.yaml",
-                           "--model_path", str(config), "--output_dir", str(out), *extra, "--plan"],
+                           "--model_path", str(config), "--output_dir", str(out), *TARGET_NODE, *extra, "--plan"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == status, proc.stderr
     return proc, time.monotonic() - start
 
 
@@ -193,7 +199,7 @@ def test_the_30b_plan_prints_fast_fits_with_its_settings_and_matches_a_hand_coun
 
 
 def test_without_offload_the_30b_plan_says_the_learners_need_it(tmp_path):
-    proc, _ = plan_30b(tmp_path, "--learner_offload", "false", "--device_memory_gb", "64")
+    proc, _ = plan_30b(tmp_path, "--learner_offload", "false", "--device_memory_gb", "64", status=1)
     plan = json.loads((tmp_path / "memory_plan.json").read_text())
     device = plan["learner_rank"]["device"]
     assert device["params"] + device["grads"] + device["optimizer"] == pytest.approx(
@@ -209,3 +215,143 @@ def test_a_run_that_cannot_fit_is_refused_naming_the_biggest_item(demo_argv, tmp
     assert len(err) == 1 and err[0].startswith("error: the memory plan does not fit: one process (both roles) needs")
     assert "the biggest item is" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+# ----- nodes, host memory, disk ------------------------------------------------------------------
+
+MODEL_30B = ROOT / "configs" / "models" / "qwen3-30b-a3b"
+
+
+def argv_30b(out: Path, *extra: str) -> list[str]:
+    return ["--config", str(ROOT / "configs" / "qwen3_30b_a3b_dapo.yaml"), "--model_path", str(MODEL_30B),
+            "--output_dir", str(out), *extra]
+
+
+def host_of_30b_ranks() -> tuple[int, int]:
+    """(a learner rank's, a rollout rank's) host memory in the shipped 30B config, counted by hand."""
+    c = json.loads((MODEL_30B / "config.json").read_text())
+    shard = math.ceil(hand_count(c)["params"] / 2)  # 2 learner ranks
+    # Offloaded, per parameter of the shard: fp32 weights 4, the bf16 KL reference 2, gradients 4,
+    # AdamW 8, AdamW's step temporary 4, and the checkpoint copy of weights and AdamW 12.
+    learner = shard * (4 + 2 + 4 + 8 + 4 + 12)
+    # A rollout rank reads the largest parameter (a layer's fused gate_up experts): bf16, fp32, encoded.
+    rollout = c["num_experts"] * 2 * c["moe_intermediate_size"] * c["hidden_size"] * (2 + 4 + 1)
+    return learner, rollout
+
+
+def test_plan_16_on_two_nodes_of_8_gives_each_node_its_own_ranks_host_memory(tmp_path, capsys):
+    learner, rollout = host_of_30b_ranks()
+    # 16 ranks on one node of 1000 GiB: 14 rollout + 2 learner ranks do not fit.
+    assert train_dapo.main(argv_30b(tmp_path / "one", "--plan", "16", *TARGET_NODE, "--host_memory_gb", "1000")) == 1
+    out = capsys.readouterr().out
+    one = json.loads((tmp_path / "one" / "memory_plan.json").read_text())
+    assert one["nodes"] == [{"node": 0, "ranks": [0, 15], "rollout_ranks": 14, "learner_ranks": 2, "lead": True,
+                             "host": 2 * learner + 14 * rollout}]
+    assert "host memory per node: need 1003.55 of 1000.00 GiB (host_memory_gb): DOES NOT FIT (node 0)" in out
+    assert "  - --nnodes 2 (8 ranks a node): the most loaded node would need 982.5 GiB" in out
+    # Two nodes of 8: ranks 0-7 roll out; on node 1, ranks 8-13 roll out and 14-15 learn (14 leads).
+    assert train_dapo.main(argv_30b(tmp_path / "two", "--plan", "16", "--nnodes", "2", *TARGET_NODE,
+                                    "--host_memory_gb", "1000")) == 0
+    out = capsys.readouterr().out
+    two = json.loads((tmp_path / "two" / "memory_plan.json").read_text())
+    lead_node, other_node = 2 * learner + 6 * rollout, 8 * rollout
+    assert [(n["ranks"], n["rollout_ranks"], n["learner_ranks"], n["lead"], n["host"]) for n in two["nodes"]] == [
+        ([0, 7], 8, 0, False, other_node), ([8, 15], 6, 2, True, lead_node)]
+    assert (two["node_host_total"], two["most_loaded_node"], two["ranks_per_node"]) == (lead_node, 1, 8)
+    assert one["node_host_total"] - two["node_host_total"] == 8 * rollout  # node 0 took 8 rollout ranks
+    assert "  node 0 (ranks 0-7: 8 rollout)" in out and "  node 1 (ranks 8-15: 6 rollout + 2 learner, the lead)" in out
+    assert "host memory per node: need 982.55 of 1000.00 GiB (host_memory_gb): fits" in out
+    assert two["fits"] is True and two["checks"] == {"device": True, "host": True, "disk": True}
+
+
+def test_host_memory_that_does_not_fit_ends_the_plan_with_status_1_and_advice(tmp_path, capsys):
+    learner, _ = host_of_30b_ranks()
+    assert train_dapo.main(argv_30b(tmp_path, "--plan", *TARGET_NODE, "--host_memory_gb", "100")) == 1
+    out = capsys.readouterr().out
+    plan = json.loads((tmp_path / "memory_plan.json").read_text())
+    assert plan["fits"] is False and plan["checks"] == {"device": True, "host": False, "disk": True}
+    assert "host memory per node: need 982.55 of 100.00 GiB (host_memory_gb): DOES NOT FIT (node 0)" in out
+    # A node holds at most 8 learner ranks, and the 2 learners' host memory splits over all of them.
+    wanted = math.ceil(8 * 2 * learner / (100 * GIB))
+    assert wanted == 78 and f"about learner_ranks 78 ({6 + wanted} ranks, 11 nodes of 8;" in out
+    assert "node 0 holds 341.2 GiB of checkpoint copies while a checkpoint is written (641.3 GiB without them)" in out
+    assert "learner_offload: " not in out  # on, and the devices have no room for the learner state
+
+
+def test_checkpoints_that_do_not_fit_the_disk_end_the_plan_with_status_1_and_a_keep_last_that_would(tmp_path, capsys):
+    params = hand_count(json.loads((MODEL_30B / "config.json").read_text()))["params"]
+    per_step, export = 12 * params, 2 * params  # fp32 weights and AdamW's moments; a bf16 Hugging Face export
+    for disk, says in (("1100", f"keep_last 2: 3 checkpoints on disk at once, {(3 * per_step + export) / GIB:.1f} GiB"),
+                       ("10", f"not even keep_last 1 fits ({(2 * per_step + export) / GIB:.1f} GiB")):
+        assert train_dapo.main(argv_30b(tmp_path / disk, "--plan", *TARGET_NODE, "--disk_gb", disk)) == 1
+        out = capsys.readouterr().out
+        plan = json.loads((tmp_path / disk / "memory_plan.json").read_text())
+        # keep_last 3 complete and the one being written; of any 4 in a row, one exports (every 100th, the last).
+        assert plan["checkpoint"]["disk_need"] == 4 * per_step + export
+        assert plan["checks"] == {"device": True, "host": True, "disk": False}
+        assert (f"checkpoint disk: need {(4 * per_step + export) / GIB:.2f} GiB (341.2 GiB per step x (keep_last 3 + 1) "
+                f"+ 56.9 GiB Hugging Face weights x 1) of {float(disk):.2f} GiB free (disk_gb): DOES NOT FIT") in out
+        assert f"  - {says}" in out
+
+
+def test_advice_never_names_a_setting_that_is_already_on(capsys):
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(MODEL_30B)
+    nothing_fits = Capacity(host_memory=GIB, host_from="host_memory_gb", disk_free=GIB, disk_from="free (disk_gb)")
+    suggestions = ("learner_offload: true", "gradient_checkpointing: true", "rollout_dtype: fp8")
+    for value, suggested in ((("true", "true", "fp8"), False), (("false", "false", "bf16"), True)):
+        cfg = load_config(argv_30b(Path("unused"), "--learner_offload", value[0], "--gradient_checkpointing", value[1],
+                                   "--rollout_dtype", value[2]))
+        plan = make_plan(cfg, Derived.of(cfg, 8), model_config, GIB, with_reference=True, capacity=nothing_fits)
+        assert plan["checks"] == {"device": False, "host": False, "disk": False}
+        notes = "\n".join(advice(cfg, plan))
+        for suggestion in suggestions:
+            assert (suggestion in notes) is suggested, (suggestion, notes)
+        # Every check that does not fit has its advice: the KV cache, the activations, host, disk.
+        assert "the KV cache (" in notes and "per_device_batch_size 2 with gradient_accumulation_steps 16" in notes
+        assert "checkpoint copies" in notes and "not even keep_last 1 fits" in notes
+
+
+def test_nodes_that_do_not_split_the_ranks_evenly_are_refused_in_one_line(tmp_path, capsys):
+    for inspection in ("--plan", "--dry_run"):
+        assert train_dapo.main(argv_30b(tmp_path / "out", inspection, "16", "--nnodes", "3")) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            "error: --nnodes 3 does not split 16 ranks evenly: every node runs WORLD_SIZE / nnodes ranks "
+            "(nodes that fit: 1, 2, 4, 8, 16)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_is_refused_when_its_nodes_host_memory_or_the_disk_it_is_given_cannot_hold_it(demo_argv, tmp_path,
+                                                                                             capsys):
+    for extra, says in ((["--host_memory_gb", "0.001"], "node 0 (rank 0: both roles, the lead) needs 3.5 MiB of "
+                                                         "host memory, 1.0 MiB a node (host_memory_gb)"),
+                        (["--disk_gb", "0.001"], "checkpoints need")):
+        assert train_dapo.main(demo_argv + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: the memory plan does not fit: {says}"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_checkpoints_on_disk_at_once_are_keep_last_and_the_one_being_written():
+    def on_disk(**run) -> tuple[int, int, int]:
+        settings = {"max_steps": 1000, "save_every": 1, "keep_last": 3, "hf_export_every": 0, **run}
+        counted = checkpoint_disk(RunConfig(**settings), 10, 1)
+        return counted["copies"], counted["exports"], counted["disk_need"]
+
+    assert on_disk() == (4, 1, 41)  # the last step's export
+    assert on_disk(hf_export_every=2) == (4, 2, 42)  # of 4 steps in a row, 2 are even
+    assert on_disk(max_steps=5, save_every=2) == (3, 1, 31)  # the run writes steps 2, 4 and 5 only
+    assert on_disk(save_every=0) == (0, 0, 0)
+
+
+def test_the_room_for_checkpoints_is_what_is_free_and_this_runs_own(tmp_path, monkeypatch):
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=5 * 2**20))
+    out = tmp_path / "run"
+    assert checkpoint_room(out) == (5 * 2**20, f"free under {tmp_path}")  # before the run creates output_dir
+    (out / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000001" / "weights").write_bytes(b"x" * 3 * 2**20)
+    assert checkpoint_room(out) == (8 * 2**20, f"free under {out} + 3.0 MiB of this run's checkpoints")

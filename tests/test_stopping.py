@@ -83,6 +83,19 @@ def test_a_stopped_torchrun_job_says_it_once(demo_assets, tmp_path, launcher, si
     assert the_stop_line(err, out)[0] == said
 
 
+def test_bad_input_under_launch_sh_train_is_one_line_and_exit_status_2(demo_assets, tmp_path):
+    """Two ranks both refuse a misspelt key: the line once, no torchrun traceback, the launcher's
+    status 2, and nothing written."""
+    out = tmp_path / "run"
+    args = run_args(demo_assets, out, 2, "--learner_ranks", "1", "--kl_coeff", "0.1")[3:]
+    proc = subprocess.run(["./launch.sh", "train", "configs/demo_cpu.yaml", *args], cwd=ROOT,
+                          env={**ENV, "NPROC_PER_NODE": "2"}, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith(("setup:", "WARNING: Location"))]
+    assert lines == ["error: unknown config key 'kl_coeff' on the command line (did you mean 'kl_coef'?)"], lines
+    assert not out.exists()
+
+
 def test_a_stop_while_a_checkpoint_is_completed_leaves_it_incomplete(tmp_path):
     """The stop takes the lock under which a folder is marked complete and renamed: a save that
     reaches that point afterwards stays a .tmp_ folder, so the checkpoint the stop line names is

@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -37,13 +38,19 @@ def _heartbeat_key(rank: int) -> str:
 
 
 def _process_exists(pid: int) -> bool:
+    """Whether process ``pid`` still runs: a zombie (dead, not yet reaped by torchrun) does not."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:  # someone else's process
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's process
+            return True
         return True
-    return True
 
 
 def _arrival_key(members: str, count: int, rank: int) -> str:

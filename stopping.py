@@ -89,7 +89,7 @@ def _stop(signum: signal.Signals, watched: _Watch) -> None:
     _stopping.set()
     layout, (where, step) = watched.layout, ranks.whereabouts()
     dead = ranks.dead_peer()
-    died = f"error: {dead}; the launcher stopped the other ranks" if dead else \
+    died = f"error: {dead}; the other ranks stopped" if dead else \
         f"error: rank {layout.rank}: {where} failed (the launcher stopped this rank after another rank died)"
     # A frozen rank 0 never answers the count in its store: its silence means the same.
     threading.Timer(2 * STOP_GRACE_S, _leave, args=(1, died)).start()
@@ -145,6 +145,8 @@ def failure_line(error: BaseException) -> str:
     thread ends the process with the stop's own line."""
     if _stopping.is_set():
         threading.Event().wait()
+    if isinstance(error, ranks.PhaseError) and (dead := ranks.dead_peer()):
+        return f"{dead}; the other ranks stopped"  # the peer's death, not this rank's broken exchange
     if _watch is None or not ckpt.disk_full(error):
         return " ".join(str(error).split())
     out = _watch.output_dir

@@ -320,7 +320,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         stopping.say_once_per_job(f"error: {e}")
         return stopping.BAD_INPUT_STATUS
     except (PhaseError, ckpt.CheckpointError, OSError) as e:  # OSError: a full disk among others
-        sys.stderr.write(f"error: {stopping.failure_line(e)}\n")
+        stopping.say_once_per_job(f"error: {stopping.failure_line(e)}")
         return 1
     finally:
         stopping.unwatch()

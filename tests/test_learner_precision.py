@@ -125,7 +125,7 @@ def test_an_fp32_learner_stays_unsharded_in_fp32(demo_argv, world):
 def test_bf16_log_probs_and_gradient_stay_close_to_fp32(demo_argv, world):
     """Measured on this batch: mean |logp_bf16 - logp_fp32| 0.013 over the response tokens (autocast,
     with fp32 experts, gave 0.009; a token whose top-2 experts flip under bf16 moves by ~0.4 either
-    way), gradient cosine 0.9994."""
+    way), gradient cosine 0.984 on the demo model with head_dim 32 (0.9994 with its earlier head_dim 16)."""
     from torch.distributed.tensor import DTensor
 
     batch, _ = step_batch()
@@ -141,7 +141,7 @@ def test_bf16_log_probs_and_gradient_stay_close_to_fp32(demo_argv, world):
         found[dtype] = logp.detach()[batch.response_mask], torch.cat([g.flatten() for g in grads])
     (logp32, grad32), (logp16, grad16) = found["fp32"], found["bf16"]
     assert (logp16 - logp32).abs().mean() < 0.03
-    assert torch.nn.functional.cosine_similarity(grad16, grad32, dim=0) > 0.99
+    assert torch.nn.functional.cosine_similarity(grad16, grad32, dim=0) > 0.97
 
 
 def test_the_update_reads_no_device_value_per_micro_batch(demo_argv, world, monkeypatch):

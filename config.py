@@ -74,6 +74,8 @@ class RolloutConfig:
     val_temperature: float = 0.0  # 0 = greedy validation
     val_top_p: float = 1.0  # nucleus for validation when val_temperature > 0
     val_max_prompts: int = 0  # 0 = the whole validation set
+    rollout_stop_check_every: int = 8  # built-in engine: decode steps between host reads of "all rows done?"
+    rollout_compile: Optional[bool] = None  # built-in engine: compile the decode step; null = the platform's choice
 
 
 @dataclass(frozen=True)
@@ -371,6 +373,7 @@ def validate(cfg: Config) -> None:
         (0 < cfg.rollout.top_p <= 1 and 0 < cfg.rollout.val_top_p <= 1, "top_p and val_top_p must be in (0, 1]"),
         (cfg.rollout.val_temperature >= 0, "val_temperature must be >= 0 (0 = greedy)"),
         (cfg.rollout.max_gen_batches >= 0, "max_gen_batches must be >= 0 (0 = no limit)"),
+        (cfg.rollout.rollout_stop_check_every >= 1, "rollout_stop_check_every must be >= 1 (decode steps per host check)"),
         (cfg.data.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
         (cfg.data.bucket_size >= 1, "bucket_size must be >= 1"),
         (cfg.algo.clip_ratio_low >= 0 and cfg.algo.clip_ratio_high >= 0, "clip_ratio_low/high must be >= 0"),
@@ -581,6 +584,8 @@ KEY_HELP: dict[str, str] = {
     "prompts_per_step": "informative groups trained on per step",
     "dynamic_sampling": "DAPO dynamic sampling: keep only groups whose metric varies, generate more until full",
     "dynamic_sampling_metric": "what must vary in a group: acc (right/wrong) or reward; auto = acc with a rule reward",
+    "rollout_stop_check_every": "built-in engine: decode steps between the host's checks that every row has stopped",
+    "rollout_compile": "built-in engine: torch.compile the decode step (null: on with CUDA graphs on CUDA, off on CPU and NPU)",
     "max_gen_batches": "stop with an error after this many generation batches in one step (0 = no limit)",
     "val_temperature": "validation temperature (0 = greedy)",
     "val_top_p": "validation nucleus when val_temperature > 0",

@@ -293,6 +293,21 @@ def experts_implementation(device_type: str) -> str:
     return "eager" if device_type == "npu" else "grouped_mm"
 
 
+# The built-in engine's decode step under torch.compile (rollout_compile), per platform: the mode
+# when compiled, and whether it is compiled when the config says null. CUDA captures the step in
+# CUDA graphs: a decode step is hundreds of small kernels whose launches cost more host time than
+# the device spends on them (issue 22: ~85 ms against ~20-25 ms at 48 layers). NPU: off until
+# measured there. CPU: off, the compile takes longer than the demo's whole rollout saves.
+DECODE_COMPILE_MODE = {"cuda": "reduce-overhead", "cpu": "default", "npu": "default"}
+DECODE_COMPILE_BY_DEFAULT = {"cuda": True, "cpu": False, "npu": False}
+
+
+def decode_compile_mode(device_type: str, requested: Optional[bool]) -> Optional[str]:
+    """torch.compile's mode for the decode step, or None for eager (another device: off unless asked)."""
+    on = DECODE_COMPILE_BY_DEFAULT.get(device_type, False) if requested is None else requested
+    return DECODE_COMPILE_MODE.get(device_type, "default") if on else None
+
+
 def mix_seed(seed: int, *keys: int) -> int:
     """One 63-bit seed from the run's seed and integer keys (step, batch, ...)."""
     mixed = seed

@@ -1,28 +1,29 @@
 """The built-in rollout engine (``rollout_engine: builtin``): a batched decode loop over a
-transformers model with its KV cache, in this process, on the rank's device.
+transformers model, in this process, on the rank's device.
 
-Every row of a call draws from one generator seeded with ``Seeds.batch`` (engine.py), in the
-order of the rows, so a row's tokens depend on the rows it shares the call with.
+The loop (issue 22): the KV cache, the attention mask and the responses are allocated once per
+call (kv_cache.py), so no tensor grows with the step; the host reads the device once every
+``rollout_stop_check_every`` steps, to learn whether every row has stopped, and there compacts
+finished rows out of the batch; the decode step may run compiled (``rollout_compile``).
+
+Every step draws one uniform number per row of the call from one generator seeded with
+``Seeds.batch`` (engine.py), so a row's tokens depend on its place in the call and the call's
+size, not on which rows are still decoding.
 """
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from engine import Generation, Sampling, Seeds
+from kv_cache import KVCache, attending_through_cache
 
 try:  # a progress bar is a nicety, not a dependency of the math
     from tqdm import tqdm
 except ImportError:  # pragma: no cover
     tqdm = None
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    # transformers 5 renamed past_key_values to cache; accept either generation of the API.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -36,12 +37,86 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _choose_token(logits: torch.Tensor, *, greedy: bool, top_p: float,
-                  generator: Optional[torch.Generator]) -> torch.Tensor:
+def _choose_token(logits: torch.Tensor, *, greedy: bool, top_p: float, generator: Optional[torch.Generator],
+                  rows: Optional[torch.Tensor] = None, batch_rows: Optional[int] = None) -> torch.Tensor:
+    """The next token of each row: the most likely, or where the row's uniform draw falls in its
+    cumulative (top_p-cut) distribution. One draw per row of the whole call (``batch_rows``;
+    ``rows``: which of them these logits belong to), so a row's tokens do not depend on which
+    rows are still decoding when finished ones are compacted out."""
     if greedy:
         return logits.argmax(-1)
-    probs = _top_p_filter(logits, top_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cumulative = _top_p_filter(logits, top_p).softmax(-1).cumsum(-1)
+    uniform = torch.rand(batch_rows or logits.shape[0], generator=generator, device=logits.device)
+    if rows is not None:
+        uniform = uniform[rows]
+    # cumulative[-1] is 1 up to rounding: scaling by it keeps every draw inside the distribution;
+    # right=True skips tokens of probability 0 (flat steps of the cumulative sum)
+    target = (uniform * cumulative[:, -1]).unsqueeze(-1)
+    token = torch.searchsorted(cumulative, target, right=True).squeeze(-1)
+    return token.clamp_(max=logits.shape[-1] - 1)
+
+
+class _Decoder:
+    """The model's forward passes over a :class:`kv_cache.KVCache`: the prompt once, then one
+    token per row per step, compiled (``compile_mode``) or eager."""
+
+    def __init__(self, model: torch.nn.Module, compile_mode: Optional[str]) -> None:
+        self.model = model
+        self.step = self._step if compile_mode is None else _compiled(self._step, compile_mode)
+
+    def prefill(self, cache: KVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.model.parameters()).dtype
+        out = self.model(input_ids=prompt_ids, attention_mask=cache.prefill_mask(prompt_mask, dtype),
+                         position_ids=positions, use_cache=False, logits_to_keep=1, kv_cache=cache)
+        return out.logits[:, -1]
+
+    def _step(self, cache: KVCache, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=token[:, None], attention_mask=cache.decode_mask(), position_ids=positions,
+                         use_cache=False, logits_to_keep=1, kv_cache=cache)
+        cache.advance()
+        return out.logits[:, -1]
+
+
+def _compiled(step: Any, mode: str) -> Any:
+    # One graph per (rows, cache length): prompt widths come in buckets (data.bucket_size) and
+    # compaction halves the rows, so shapes repeat; more of them than dynamo keeps by default.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(step, mode=None if mode == "default" else mode, dynamic=False)
+
+
+def _compacted_rows(finished: torch.Tensor, active: int) -> Optional[torch.Tensor]:
+    """The rows to go on with when at most half of them are still decoding (the ``active``
+    unfinished ones, topped up with finished ones to a power of two, so that compiled shapes
+    repeat); else None."""
+    size = 1 << max(active - 1, 0).bit_length()
+    if size * 2 > finished.numel():
+        return None
+    order = torch.argsort(finished.to(torch.int8), stable=True)  # unfinished first, in row order
+    return order[:size].sort().values
+
+
+class _Responses:
+    """The call's responses, preallocated [rows, max_new_tokens], filled a column per step."""
+
+    def __init__(self, rows: int, max_new_tokens: int, pad_id: int, device: torch.device) -> None:
+        self.ids = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.mask = torch.zeros((rows, max_new_tokens), dtype=torch.bool, device=device)
+        self.logp = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
+
+    def record(self, step: int, rows: torch.Tensor, token: torch.Tensor, logp: torch.Tensor,
+               finished: torch.Tensor) -> None:
+        self.ids[rows, step] = token
+        self.logp[rows, step] = logp.masked_fill(finished, 0.0)
+        self.mask[rows, step] = ~finished
+
+    def generation(self, rows: torch.Tensor, finished: torch.Tensor) -> Generation:
+        # As many columns as the longest response: where a loop checking every step would end.
+        length = int(self.mask.sum(-1).max())
+        truncated = torch.zeros(self.ids.shape[0], dtype=torch.bool, device=self.ids.device)
+        truncated[rows] = ~finished  # the rows compacted out had finished
+        return Generation(response_ids=self.ids[:, :length], response_mask=self.mask[:, :length],
+                          logp=self.logp[:, :length], truncated=truncated)
 
 
 @torch.no_grad()
@@ -55,45 +130,54 @@ def generate(
     pad_id: int,
     sampling: Sampling = Sampling(),
     generator: Optional[torch.Generator] = None,
+    stop_check_every: int = 8,
+    compact: bool = True,
+    decoder: Optional[_Decoder] = None,
     progress: bool = False,
 ) -> Generation:
-    """Sample up to ``max_new_tokens`` per row with the KV cache; a row ends at its first stop id.
+    """Sample up to ``max_new_tokens`` per row; a row ends at its first stop id.
 
-    ``prompt_ids`` are left-padded so every row's next token sits in the last column.
+    ``prompt_ids`` are left-padded so every row's next token sits in the last column. The host
+    reads whether every row has finished only every ``stop_check_every`` steps (a row's tokens
+    after its stop are padding either way); there, with ``compact``, finished rows leave the
+    batch once at most half are left (_compacted_rows).
     """
+    assert stop_check_every >= 1, "stop_check_every counts decode steps: at least 1"
     device = prompt_ids.device
-    n = prompt_ids.shape[0]
-    attention = prompt_mask.long()
-    stop = torch.tensor(sorted(set(stop_ids)), device=device)
+    n, width = prompt_ids.shape
+    decoder = decoder or _Decoder(model, None)
+    cache = KVCache(model.config, rows=n, length=width + max_new_tokens, device=device)
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    responses = _Responses(n, max_new_tokens, pad_id, device)
+    rows = torch.arange(n, device=device)  # the call's row each batch row is
     finished = torch.zeros(n, dtype=torch.bool, device=device)
-    tokens, logps, masks = [], [], []
-    cache_key = _cache_kwarg(model)
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    next_input = prompt_ids
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
     steps = range(max_new_tokens)
     if progress and tqdm is not None and sys.stderr.isatty():
         steps = tqdm(steps, desc="generating", leave=False, file=sys.stderr)
-    for _ in steps:
-        out = model(input_ids=next_input, attention_mask=attention, position_ids=positions,
-                    use_cache=True, logits_to_keep=1, **{cache_key: cache})
-        logits = out.logits[:, -1, :].float() / sampling.temperature
-        logp_all = logits.log_softmax(-1)
-        token = _choose_token(logits, greedy=sampling.greedy, top_p=sampling.top_p, generator=generator)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        tokens.append(token)
-        logps.append(logp_all.gather(-1, token[:, None]).squeeze(-1).masked_fill(finished, 0.0))
-        masks.append(~finished)
-        finished = finished | torch.isin(token, stop)
-        if bool(finished.all()):
-            break
-        next_input = token[:, None]
-        attention = torch.cat([attention, torch.ones((n, 1), dtype=attention.dtype, device=device)], dim=-1)
-        positions = positions[:, -1:] + 1
-    return Generation(response_ids=torch.stack(tokens, dim=1), response_mask=torch.stack(masks, dim=1),
-                      logp=torch.stack(logps, dim=1), truncated=~finished)
+    with attending_through_cache(model):
+        logits = decoder.prefill(cache, prompt_ids, prompt_mask, positions)
+        positions = positions[:, -1:]
+        for step in steps:
+            scaled = logits.float() / sampling.temperature
+            token = _choose_token(scaled, greedy=sampling.greedy, top_p=sampling.top_p, generator=generator,
+                                  rows=rows, batch_rows=n).masked_fill(finished, pad_id)
+            responses.record(step, rows, token, scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1),
+                             finished)
+            finished = finished | torch.isin(token, stop)
+            if step + 1 == max_new_tokens:
+                break
+            if (step + 1) % stop_check_every == 0:
+                active = int((~finished).sum())  # the loop's one host read
+                if not active:
+                    break
+                keep = _compacted_rows(finished, active) if compact else None
+                if keep is not None:
+                    cache.keep(keep)
+                    rows, finished, token, positions = rows[keep], finished[keep], token[keep], positions[keep]
+            positions = positions + 1
+            logits = decoder.step(cache, token, positions)
+    return responses.generation(rows, finished)
 
 
 class BuiltinEngine:
@@ -101,19 +185,22 @@ class BuiltinEngine:
     loop above. ``weights`` (rollout.RolloutWeights) decodes synced weights into the model."""
 
     def __init__(self, model: torch.nn.Module, weights: Any, *, device: torch.device, stop_ids: Sequence[int],
-                 pad_id: int, max_new_tokens: int) -> None:
+                 pad_id: int, max_new_tokens: int, stop_check_every: int = 8,
+                 compile_mode: Optional[str] = None) -> None:
         self.model = model.eval().requires_grad_(False)
-        self.model.config.use_cache = True
         self.weights = weights
         self.weights.bind(self.model)
         self.device, self.stop_ids, self.pad_id, self.max_new_tokens = device, list(stop_ids), pad_id, max_new_tokens
+        self.stop_check_every = stop_check_every
+        self.decoder = _Decoder(self.model, compile_mode)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, sampling: Sampling,
                  seeds: Seeds) -> Generation:
         generator = torch.Generator(device=self.device).manual_seed(seeds.batch)
         gen = generate(self.model, prompt_ids.to(self.device), prompt_mask.to(self.device),
                        max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, pad_id=self.pad_id,
-                       sampling=sampling, generator=generator, progress=True)
+                       sampling=sampling, generator=generator, stop_check_every=self.stop_check_every,
+                       decoder=self.decoder, progress=True)
         return Generation(*(t.cpu() for t in (gen.response_ids, gen.response_mask, gen.logp, gen.truncated)))
 
     def load_weights(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -124,4 +211,4 @@ class BuiltinEngine:
 
     def memory(self) -> dict[str, Optional[int]]:
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return {"weights": weights, "kv_cache": None}  # the cache lives only during a call
+        return {"weights": weights, "kv_cache": None}  # the cache lives only during a call (kv_cache.py)

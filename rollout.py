@@ -20,7 +20,7 @@ import ckpt
 import dapo_loss
 from buckets import bucket_bound, bucketed_batches
 from config import Config, Derived, RolloutConfig, UserError
-from device import ROLLOUT_COMPUTE_DTYPES, Platform
+from device import ROLLOUT_COMPUTE_DTYPES, Platform, decode_compile_mode
 from engine import RolloutEngine, Sampling, Seeds
 from fp8 import FP8, convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
 from hf_weights import WeightFiles, empty_model
@@ -169,7 +169,9 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
     from engine_builtin import BuiltinEngine
 
     model = rollout_copy()
-    return BuiltinEngine(model, RolloutWeights(model.config, cfg.model.rollout_dtype), device=plat.device, **settings)
+    return BuiltinEngine(model, RolloutWeights(model.config, cfg.model.rollout_dtype), device=plat.device,
+                         stop_check_every=cfg.rollout.rollout_stop_check_every,
+                         compile_mode=decode_compile_mode(plat.kind, cfg.rollout.rollout_compile), **settings)
 
 
 class RolloutWorker:

@@ -450,10 +450,11 @@ def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
         if func is aten.copy_.default and not isinstance(args[0], DeviceTensor) and not kwargs.get("non_blocking") \
                 and not (len(args) > 2 and args[2]):
             record("sync", "device-to-host copy_")
-    else:
+    else:  # a host op, or a factory naming the device (torch.rand(..., device=accel))
         for g in flat:
-            if isinstance(g, torch._C.Generator) and generator_device(g).type == NAME:
-                record("gen", f"aten.{op_name(func)}: an {NAME} generator draws for host tensors")
+            if isinstance(g, torch._C.Generator) and (generator_device(g).type == NAME) != to_device:
+                drawn = f"{NAME} tensors" if to_device else "host tensors"
+                record("gen", f"aten.{op_name(func)}: a {generator_device(g).type} generator draws for {drawn}")
     index = next((t.device.index for t in on_device), None)
     if index is None:
         index = next((torch.device(v).index or current_device() for v in flat if is_device(v)), RANK_DEVICE)

@@ -1,0 +1,185 @@
+"""The built-in engine's decode loop (engine_builtin.generate over kv_cache.KVCache), counted with
+a dispatch mode on the CPU, where the counts do not depend on the machine: host reads per decode
+step, bytes allocated per step as the context grows, compaction, the sampler's distribution, the
+compiled step."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+import device
+import engine_builtin
+from engine import Sampling
+from engine_builtin import generate
+from fp8 import convert_to_fp8
+
+# Ops that read a tensor on the host: a sync on an accelerator.
+SYNC_OPS = ("_local_scalar_dense", "is_nonzero", "item", "equal", "nonzero", "masked_select", "unique", "_unique",
+            "repeat_interleave.Tensor")
+VOCAB = 256
+
+
+def moe_model(dtype=torch.float32, context: int = 640, layers: int = 2):
+    """A random Qwen3-MoE with grouped-query attention (8 query heads on 2 key-value heads)."""
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                            max_position_embeddings=context, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                            experts_implementation=device.experts_implementation("cpu")).eval()
+
+
+def prompts(rows: int, width: int, seed: int = 0):
+    """Left-padded random prompts of different lengths (the last row fills the width)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, width), generator=g)
+    lengths = torch.randint(max(1, width // 2), width + 1, (rows,), generator=g)
+    lengths[-1] = width
+    mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]
+    return ids.masked_fill(~mask, 0), mask
+
+
+class StepLog(TorchDispatchMode):
+    """Per decode step (between calls of the decoder's step): host reads and bytes of fresh tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[dict] = [{"syncs": 0, "bytes": 0}]
+
+    def next_step(self):
+        self.steps.append({"syncs": 0, "bytes": 0})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__ + ("" if func._overloadname == "default" else f".{func._overloadname}")
+        now = self.steps[-1]
+        now["syncs"] += any(name == op or name.startswith(op + ".") for op in SYNC_OPS)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        now["bytes"] += sum(t.untyped_storage().nbytes() for t in tree_leaves(out)
+                            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)
+        return out
+
+
+def logged_generate(model, ids, mask, *, max_new_tokens, stop_check_every=8, **kw):
+    log = StepLog()
+    decoder = engine_builtin._Decoder(model, None)
+    step = decoder.step
+
+    def logged_step(*a):
+        log.next_step()
+        return step(*a)
+
+    decoder.step = logged_step
+    with log:
+        gen = generate(model, ids, mask, max_new_tokens=max_new_tokens, stop_ids=[], pad_id=0,
+                       sampling=Sampling(temperature=1.0), generator=torch.Generator().manual_seed(0),
+                       stop_check_every=stop_check_every, decoder=decoder, **kw)
+    return gen, log.steps
+
+
+@pytest.fixture(scope="module")
+def model():
+    return moe_model()
+
+
+@pytest.mark.parametrize("rollout_dtype", ["fp32", "fp8"])
+def test_host_reads_once_per_stop_check_and_nothing_grows_with_the_context(model, rollout_dtype):
+    """Steps 1..N of a 40-step decode: at most one host read per 8 steps (none inside the FP8
+    layers either), and a step at context ~520 allocates no more than 1.1x one at context ~40."""
+    net = convert_to_fp8(moe_model(torch.bfloat16), torch.bfloat16) if rollout_dtype == "fp8" else model
+    per_context = {}
+    for width in (24, 504):
+        ids, mask = prompts(6, width)
+        gen, steps = logged_generate(net, ids, mask, max_new_tokens=40)
+        assert gen.response_ids.shape == (6, 40) and gen.truncated.all()  # no stop id: every step ran
+        # steps[0]: the prefill and the first token; the last also holds the call's end (the
+        # responses cut to the longest, one read per call)
+        decode = steps[1:-1]
+        assert len(decode) == 38
+        syncs = sum(s["syncs"] for s in decode)
+        assert syncs <= len(decode) // 8, [s["syncs"] for s in decode]
+        per_context[width] = sorted(s["bytes"] for s in decode)[len(decode) // 2]
+    assert per_context[504] <= 1.1 * per_context[24], per_context
+
+
+def test_the_old_loop_grew_with_the_context(model):
+    """What the test above guards against: transformers' DynamicCache, grown by concatenation,
+    allocates the whole cache again every step (the loop before kv_cache.py)."""
+    from transformers import DynamicCache
+
+    per_context = {}
+    for width in (24, 504):
+        ids, mask = prompts(6, width)
+        cache, log = DynamicCache(config=model.config), StepLog()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask.long(), use_cache=True, past_key_values=cache)
+            attention = mask.long()
+            with log:
+                for _ in range(4):
+                    attention = torch.cat([attention, torch.ones(6, 1, dtype=torch.long)], -1)
+                    model(input_ids=ids[:, -1:], attention_mask=attention, use_cache=True, past_key_values=cache)
+                    log.next_step()
+        per_context[width] = log.steps[1]["bytes"]
+    assert per_context[504] > 5 * per_context[24], per_context
+
+
+def test_compacting_finished_rows_changes_no_token(model):
+    """Rows stop at different steps (a stop id drawn); with compaction the survivors decode in a
+    smaller batch, and every row's tokens and log-probs are what they are without it."""
+    ids, mask = prompts(16, 12)
+    stop = list(range(1, 24))  # ~9% of the vocabulary: rows end after ~10 tokens, some much later
+    run = lambda compact: generate(model, ids, mask, max_new_tokens=48, stop_ids=stop, pad_id=0,  # noqa: E731
+                                   sampling=Sampling(temperature=1.0), generator=torch.Generator().manual_seed(5),
+                                   stop_check_every=4, compact=compact)
+    calls = []
+    keep = engine_builtin._compacted_rows
+    engine_builtin._compacted_rows = lambda *a: calls.append(keep(*a)) or calls[-1]
+    try:
+        compacted = run(True)
+    finally:
+        engine_builtin._compacted_rows = keep
+    assert any(rows is not None for rows in calls), "no compaction happened: the test proves nothing"
+    whole = run(False)
+    lengths = whole.response_mask.sum(-1)
+    assert lengths.min() < lengths.max() and not whole.truncated.all()
+    assert torch.equal(compacted.response_ids, whole.response_ids)
+    assert torch.equal(compacted.response_mask, whole.response_mask)
+    assert torch.equal(compacted.truncated, whole.truncated)
+    torch.testing.assert_close(compacted.logp, whole.logp, atol=1e-5, rtol=0)
+
+
+def test_stop_check_interval_changes_no_token(model):
+    ids, mask = prompts(8, 10)
+    run = lambda every: generate(model, ids, mask, max_new_tokens=30, stop_ids=list(range(1, 24)), pad_id=0,  # noqa: E731
+                                 sampling=Sampling(temperature=1.0), generator=torch.Generator().manual_seed(2),
+                                 stop_check_every=every, compact=False)
+    a, b = run(1), run(8)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.truncated, b.truncated)
+    assert torch.equal(a.logp, b.logp)
+
+
+def test_sampler_draws_each_token_with_its_probability():
+    """4,000 rows of one distribution, top_p cutting the tail: frequencies within 4 standard
+    errors of the (renormalised) probabilities, cut tokens never drawn."""
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    logits = probs.log().expand(4000, -1).contiguous()
+    token = engine_builtin._choose_token(logits, greedy=False, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    kept = torch.tensor([0.4, 0.3, 0.15, 0.1]) / 0.95  # 0.4 + 0.3 + 0.15 < 0.9: the 0.1 crosses it
+    freq = torch.bincount(token, minlength=5).float() / 4000
+    assert freq[4] == 0
+    stderr = (kept * (1 - kept) / 4000).sqrt()
+    assert ((freq[:4] - kept).abs() <= 4 * stderr).all(), (freq, kept)
+
+
+def test_compiled_decode_step_gives_the_eager_tokens():
+    """rollout_compile on the CPU: the decode step through torch.compile (inductor), greedy, gives
+    the eager loop's tokens and log-probs within float noise (one layer: compiling is the cost)."""
+    model = moe_model(layers=1)
+    ids, mask = prompts(4, 8)
+    run = lambda mode: generate(model, ids, mask, max_new_tokens=12, stop_ids=[], pad_id=0,  # noqa: E731
+                                sampling=Sampling(greedy=True), decoder=engine_builtin._Decoder(model, mode))
+    eager, compiled = run(None), run(device.decode_compile_mode("cpu", True))
+    assert torch.equal(eager.response_ids, compiled.response_ids)
+    torch.testing.assert_close(eager.logp, compiled.logp, atol=1e-5, rtol=0)

@@ -173,6 +173,21 @@ def free_fp8_workspace() -> None:
 def _fp8_values_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool) -> torch.Tensor:
     """``values`` (float8_e4m3fn) as ``dtype``, exactly, in the shared workspace (or, when an
     autograd graph may keep it, ``reuse`` False, in a buffer of its own)."""
+    weight, factor = _fp8_values_scaled_as(values, dtype, reuse)
+    return weight if factor == 1.0 else weight.mul_(factor)
+
+
+# What the CPU's bit-level conversion leaves out: its values are V * 2^-120 (below). The matmuls
+# apply the factor with the output scales, in float32, instead of a pass over every weight (on
+# the CPU, a quarter of the conversion's time); the powers of two cancel exactly, so outputs are
+# the same unless a matmul's output falls below bf16's normal range at 2^-120 (an output under
+# ~3.5e-5 of its row's largest weight, where bf16 keeps fewer digits).
+_BITS_FACTOR = 2.0 ** 120
+
+
+def _fp8_values_scaled_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool) -> tuple[torch.Tensor, float]:
+    """(weight, factor): ``values`` == weight * factor exactly, weight in ``dtype`` in the shared
+    workspace (or its own buffer: ``reuse`` False); factor 1 except on the CPU's bf16 path."""
     key, numel = (values.device, dtype), values.numel()
     buffer = _FP8_WORKSPACE.get(key) if reuse else None
     if buffer is None or buffer.numel() < numel:
@@ -183,11 +198,11 @@ def _fp8_values_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool) -> tor
             _FP8_WORKSPACE[key] = buffer
     out = buffer[:numel].view(values.shape)
     if dtype != torch.bfloat16 or FP8_TO_COMPUTE.get(values.device.type) != "bits":
-        return out.copy_(values)
+        return out.copy_(values), 1.0
     # e4m3 sign|eeee|mmm -> bf16 sign|0000eeee|mmm0000: the int8 sign-extends into int16, the shift
     # puts e and m under bf16's exponent and mantissa, the mask keeps the sign bit alone above
     # them. That is V * 2^-120 (bf16's exponent bias is 127, e4m3's 7; e = 0, e4m3's subnormals,
-    # reads as bf16 subnormals with the same mantissa), and the power-of-two multiply is exact.
+    # reads as bf16 subnormals with the same mantissa): _BITS_FACTOR.
     # Not NaN-preserving (e4m3's NaN, 0x7f, reads as 480; quantize() never writes it), and it
     # relies on the CPU not flushing subnormals (torch's default; under
     # torch.set_flush_denormal(True) e4m3's subnormals, |V| < 2^-6, would read as 0).
@@ -199,7 +214,7 @@ def _fp8_values_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool) -> tor
         bits.view(-1).view(torch.int32).bitwise_left_shift_(4).bitwise_and_(-0x780F7810)  # 0x87f087f0
     else:
         bits.bitwise_left_shift_(4).bitwise_and_(-0x7810)  # 0x87f0
-    return out.mul_(2.0 ** 120)
+    return out, _BITS_FACTOR
 
 
 def _reuse_workspace(x: torch.Tensor) -> bool:
@@ -211,8 +226,8 @@ def _reuse_workspace(x: torch.Tensor) -> bool:
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x @ W.T with W = values * scale[:, None] (FP8 values, one float32 scale per output row):
     (x @ values.T) in x's dtype, then times the scales in float32, rounded to x's dtype."""
-    weight = _fp8_values_as(values, x.dtype, _reuse_workspace(x))
-    return torch.nn.functional.linear(x, weight).mul_(scale)
+    weight, factor = _fp8_values_scaled_as(values, x.dtype, _reuse_workspace(x))
+    return torch.nn.functional.linear(x, weight).mul_(scale if factor == 1.0 else scale * factor)
 
 
 # Rows of (token, expert) pairs whose output scales are gathered at once: bounds the float32
@@ -222,16 +237,18 @@ FP8_SCALE_CHUNK_ROWS = 16384
 
 
 def _scale_rows_(out: torch.Tensor, scale: torch.Tensor, expert_of_row: torch.Tensor,
-                 row_weight: Optional[torch.Tensor]) -> torch.Tensor:
-    """out[i] *= scale[expert_of_row[i]] (* row_weight[i]), in float32, rounded to out's dtype."""
+                 row_weight: Optional[torch.Tensor], factor: float) -> torch.Tensor:
+    """out[i] *= scale[expert_of_row[i]] * factor (* row_weight[i]), in float32, rounded to out's dtype."""
     if row_weight is not None:
         row_weight = row_weight.to(scale.dtype)
     for start in range(0, out.shape[0], FP8_SCALE_CHUNK_ROWS):
         part = slice(start, start + FP8_SCALE_CHUNK_ROWS)
-        factor = scale.index_select(0, expert_of_row[part])
+        row_factor = scale.index_select(0, expert_of_row[part])
+        if factor != 1.0:
+            row_factor.mul_(factor)
         if row_weight is not None:
-            factor.mul_(row_weight[part, None])
-        out[part].mul_(factor)
+            row_factor.mul_(row_weight[part, None])
+        out[part].mul_(row_factor)
     return out
 
 
@@ -247,7 +264,7 @@ def fp8_grouped_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tenso
     rows of each expert, read on the host by the caller: platforms without _grouped_mm, long
     prefills), one matmul per expert that has rows instead.
     """
-    weight = _fp8_values_as(values, x.dtype, _reuse_workspace(x))
+    weight, factor = _fp8_values_scaled_as(values, x.dtype, _reuse_workspace(x))
     if counts is None:
         out = _grouped_mm(x, weight.transpose(-2, -1), offsets)
     else:
@@ -256,16 +273,18 @@ def fp8_grouped_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tenso
             if rows:
                 out[start:start + rows] = torch.nn.functional.linear(x[start:start + rows], weight[expert])
             start += rows
-    return _scale_rows_(out, scale, expert_of_row, row_weight)
+    return _scale_rows_(out, scale, expert_of_row, row_weight, factor)
 
 
 def fp8_batched_linear(x: torch.Tensor, values: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     """Every expert's W.T on every row: x [T, K] (the same rows for each expert) or [E, T, K]
     -> [E, T, N], with ``values`` [E, N, K], ``scale`` [E, N] (None: x @ values.T, the scaling
     left to the caller). No grouped GEMM, no host read."""
-    weight = _fp8_values_as(values, x.dtype, _reuse_workspace(x))
+    weight, factor = _fp8_values_scaled_as(values, x.dtype, _reuse_workspace(x))
     out = torch.matmul(x, weight.transpose(-2, -1))
-    return out if scale is None else out.mul_(scale.unsqueeze(-2))
+    if scale is None:
+        return out if factor == 1.0 else out.mul_(factor)
+    return out.mul_(scale.unsqueeze(-2) if factor == 1.0 else scale.unsqueeze(-2) * factor)
 
 
 @functools.lru_cache(maxsize=None)

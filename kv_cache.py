@@ -101,8 +101,8 @@ def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 @contextmanager
 def attending_through_cache(model: torch.nn.Module) -> Iterator[None]:
-    """The model's attention is :func:`cached_attention` inside the block, what it was after it
-    (a one-process run shares the model's config with nobody, but the learner's may be a copy)."""
+    """The model's attention is :func:`cached_attention` inside the block and what it was after
+    it, so no other model holding the same config meets our attention function."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, cached_attention)

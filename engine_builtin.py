@@ -31,8 +31,8 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     if top_p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+    sorted_probs = sorted_logits.softmax(-1)
+    drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # keep the token that crosses top_p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

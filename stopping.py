@@ -163,23 +163,52 @@ BAD_INPUT_STATUS = 2  # what a rank exits with after its one line about bad inpu
 
 class _StopChatter(logging.Filter):
     """Drops torchrun's own lines about a stop signal it got and forwards to the workers, and
-    about a rank that exited on bad input: the workers say what matters, once."""
+    about a rank that exited on bad input: the workers say what matters, once.
+
+    torchrun says it SIGTERMs the ranks still running before it says which rank failed and how:
+    those lines are held until that one, and dropped with it when the failure was bad input."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stopping = False
+        self.held: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "released", False):
+            return True
         message = str(record.msg)
         self.stopping = self.stopping or message.startswith("Received %s death signal")
-        if message.startswith("failed (exitcode: %s)") and record.args and record.args[0] == BAD_INPUT_STATUS:
+        if self.stopping and ("death signal" in message or "closing signal" in message):
             return False
-        return not (self.stopping and ("death signal" in message or "closing signal" in message))
+        if message.startswith("Sending process %s closing signal"):
+            self.held.append(record)
+            return False
+        if message.startswith("failed (exitcode: %s)") and record.args and record.args[0] == BAD_INPUT_STATUS:
+            self.held.clear()
+            return False
+        self.release()
+        return True
+
+    def release(self) -> None:
+        """Log the held lines after all: the failure they belong to was not bad input."""
+        held, self.held = self.held, []
+        for record in held:
+            record.released = True
+            logging.getLogger(record.name).handle(record)
+
+
+def _bad_input_only(failed: Any) -> bool:
+    """Whether a failed job is a rank that exited on bad input, the others either the same or
+    ended by torchrun's signal before they could say it too (they are slower to start)."""
+    failures = failed.failures.values()
+    first = min(failures, key=lambda failure: failure.timestamp)
+    return first.exitcode == BAD_INPUT_STATUS and all(f.exitcode in (BAD_INPUT_STATUS, -signal.SIGTERM, -signal.SIGKILL)
+                                                      for f in failures)
 
 
 def run_torchrun(argv: list[str]) -> int:
     """torchrun with ``argv``; a job stopped by a signal returns 128 + the signal number, and one
-    whose ranks all stopped on bad input returns 2, without torchrun's traceback."""
+    whose ranks stopped on bad input returns 2, without torchrun's traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -194,9 +223,11 @@ def run_torchrun(argv: list[str]) -> int:
     except KeyboardInterrupt:  # Ctrl-C before torchrun took the signals over
         return 128 + signal.SIGINT
     except ChildFailedError as failed:
-        if {failure.exitcode for failure in failed.failures.values()} == {BAD_INPUT_STATUS}:
+        if _bad_input_only(failed):
             return BAD_INPUT_STATUS
         raise
+    finally:
+        chatter.release()
     return 0
 
 

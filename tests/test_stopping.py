@@ -96,6 +96,26 @@ def test_bad_input_under_launch_sh_train_is_one_line_and_exit_status_2(demo_asse
     assert not out.exists()
 
 
+@pytest.mark.parametrize("first_status", [2, 1])
+def test_torchrun_s_lines_about_a_rank_that_exits_on_bad_input_first_are_dropped(tmp_path, first_status):
+    """Rank 1 exits first (status 2: bad input) while rank 0 is still starting (sleeping), so
+    torchrun SIGTERMs it: the job still ends with rank 1's line alone and status 2. Any other
+    status keeps torchrun's lines, the SIGTERM it sent included, and its own exit status."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      f"    sys.stderr.write('error: rank 1 refuses\\n'); sys.exit({first_status})\n"
+                      "time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "stopping.py", "--standalone", "--nproc_per_node=2", "--monitor_interval=0.1",
+                           str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.splitlines()
+    if first_status == 2:
+        assert (proc.returncode, lines) == (2, ["error: rank 1 refuses"])
+    else:
+        assert proc.returncode == 1 and lines[0] == "error: rank 1 refuses", proc.stderr
+        assert "closing signal SIGTERM" in proc.stderr and "rank.py FAILED" in proc.stderr, proc.stderr
+
+
 def test_a_stop_while_a_checkpoint_is_completed_leaves_it_incomplete(tmp_path):
     """The stop takes the lock under which a folder is marked complete and renamed: a save that
     reaches that point afterwards stays a .tmp_ folder, so the checkpoint the stop line names is

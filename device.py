@@ -276,12 +276,37 @@ def fp8_grouped_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tenso
     return _scale_rows_(out, scale, expert_of_row, row_weight, factor)
 
 
+# Where converting a whole weight before its matmul spills the cache (the CPU: 2 MiB of L2 a core
+# on the machines measured), the batched matmul converts and multiplies the experts in parts of
+# at most this many bytes once converted, so that it reads each part from the cache its
+# conversion has just written it to. GPUs and NPUs convert with one fused kernel at full
+# bandwidth: one part, every expert.
+FP8_PART_BYTES = {"cpu": 1 << 20}
+
+
+def _expert_parts(values: torch.Tensor, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """[start, stop) over the experts of ``values`` [E, N, K]: all of them, or parts of at most
+    FP8_PART_BYTES once converted to ``dtype`` (one expert each at least)."""
+    limit, experts = FP8_PART_BYTES.get(values.device.type), values.shape[0]
+    size = experts if limit is None else max(1, limit // (values[0].numel() * dtype.itemsize))
+    return [(start, min(start + size, experts)) for start in range(0, experts, size)]
+
+
 def fp8_batched_linear(x: torch.Tensor, values: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     """Every expert's W.T on every row: x [T, K] (the same rows for each expert) or [E, T, K]
     -> [E, T, N], with ``values`` [E, N, K], ``scale`` [E, N] (None: x @ values.T, the scaling
-    left to the caller). No grouped GEMM, no host read."""
-    weight, factor = _fp8_values_scaled_as(values, x.dtype, _reuse_workspace(x))
-    out = torch.matmul(x, weight.transpose(-2, -1))
+    left to the caller). No grouped GEMM, no host read.
+
+    Computed as W @ x.T ([E, N, T], returned as its [E, T, N] view): with few rows that is one
+    matmul of E x N rows over the shared x.T, which the CPU runs ~2x faster than E matmuls of T
+    rows (it repacks the second operand, here x, not the weights)."""
+    reuse = _reuse_workspace(x)
+    out = x.new_empty(values.shape[0], values.shape[1], x.shape[-2])
+    for start, stop in _expert_parts(values, x.dtype):
+        weight, factor = _fp8_values_scaled_as(values[start:stop], x.dtype, reuse)
+        rows = x.transpose(-2, -1) if x.dim() == 2 else x[start:stop].transpose(-2, -1)
+        torch.matmul(weight, rows, out=out[start:stop])
+    out = out.transpose(-2, -1)
     if scale is None:
         return out if factor == 1.0 else out.mul_(factor)
     return out.mul_(scale.unsqueeze(-2) if factor == 1.0 else scale.unsqueeze(-2) * factor)

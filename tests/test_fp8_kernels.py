@@ -203,6 +203,24 @@ def test_fp8_experts_equal_the_per_expert_reference_with_idle_experts(path, dtyp
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
+def test_fp8_dense_experts_in_parts_equal_the_reference(monkeypatch):
+    """Parts of three experts' converted weights (device.FP8_PART_BYTES; 8 experts: parts of
+    3, 3 and 2) multiply as the whole does: each part's rows of the output are its experts'."""
+    experts = fp8_experts(8, torch.bfloat16)
+    experts.implementation = "dense"
+    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    index, weights = routing(11, 8, 3, torch.bfloat16, used=8)
+    with torch.no_grad():
+        whole = experts(x, index, weights)
+        monkeypatch.setitem(device.FP8_PART_BYTES, "cpu", 3 * experts.gate_up_proj.values[0].numel() * 2)
+        with Ops() as ops:
+            parted = experts(x, index, weights)
+        want = reference_experts(experts, x, index, weights)
+    assert ops.counts["bitwise_and_.Scalar"] == 3 + 2  # gate_up in parts of 3 experts; down_proj's half the size
+    torch.testing.assert_close(parted, whole, rtol=0, atol=0)
+    torch.testing.assert_close(parted, want, rtol=2 ** -6, atol=2 ** -7 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_equals_the_dequantized_reference(dtype):
     linear = torch.nn.Linear(96, 40, bias=False)
@@ -228,14 +246,17 @@ def test_fp8_values_convert_exactly_for_every_code_pair():
         assert torch.equal(got[number].view(torch.int16), want[number].view(torch.int16))
 
 
-def test_fp8_layers_build_no_weight_sized_copies_and_reuse_one_workspace():
+@pytest.mark.parametrize("path", ["grouped", "dense"])
+def test_fp8_layers_build_no_weight_sized_copies_and_reuse_one_workspace(path):
     """The former path built an fp32 and then a bf16 copy of every weight at every matmul; now
-    the FP8 values convert into the shared workspace, allocated once."""
+    the FP8 values convert into the shared workspace, allocated once. (Two tokens: the dense
+    path's [experts, tokens, N] outputs stay below one expert's weight.)"""
     linear = Fp8Linear(torch.nn.Linear(256, 128, bias=False), torch.bfloat16)
     experts = fp8_experts(8, torch.bfloat16)
-    x = torch.randn(4, 256).to(torch.bfloat16)
-    index, weights = routing(4, 8, 2, torch.bfloat16, used=8)
-    h = torch.randn(4, 64).to(torch.bfloat16)
+    experts.implementation = path
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    index, weights = routing(2, 8, 2, torch.bfloat16, used=4)
+    h = torch.randn(2, 64).to(torch.bfloat16)
     with torch.no_grad():
         linear(x), experts(h, index, weights)  # first calls: the workspace grows to its size
         with Ops(large=32 * 64) as ops:  # down_proj: 8 experts x 64 x 32

@@ -90,7 +90,8 @@ class Fp8Experts(nn.Module):
     GEMM per projection over all the layer's experts (device.fp8_grouped_linear), the pairs'
     outputs times their routing weights summed per token. Everything stays on the device: no
     host read, no per-expert loop, the same number of kernels whatever the number of experts.
-    Where there is no grouped GEMM, and on the CPU, "dense" or "host" (DENSE_MAX_PAIRS)."""
+    Where there is no grouped GEMM, "dense" or "host"; on the CPU "dense" or "grouped"
+    (DENSE_MAX_PAIRS; the CPU's dense matmuls go by parts of the weights' bytes, not experts)."""
 
     implementation: Optional[str] = None  # "grouped", "dense", "host"; None: the platform's choice
 

@@ -22,9 +22,9 @@ REJECTED = ("mix", "gen", "thread", "coll")
 LAYOUTS = {
     # name: (processes, arguments beyond the common ones)
     "one process, bf16 rollout": (1, ["--rollout_dtype", "bf16", "--max_steps", "1"]),
-    "1 rollout + 1 learner, fp8 rollout": (2, ["--rollout_dtype", "fp8", "--learner_ranks", "1", "--max_steps", "2"]),
-    "1 rollout + 2 learners, offload": (3, ["--rollout_dtype", "bf16", "--learner_ranks", "2", "--max_steps", "1",
-                                            "--learner_offload", "true"]),
+    # two steps: the second rolls out with FP8 weights synced from the learners
+    "1 rollout + 2 learners, offload, fp8 rollout": (3, ["--rollout_dtype", "fp8", "--learner_ranks", "2",
+                                                         "--max_steps", "2", "--learner_offload", "true"]),
 }
 
 

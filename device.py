@@ -170,13 +170,6 @@ def free_fp8_workspace() -> None:
     _FP8_WORKSPACE.clear()
 
 
-def _fp8_values_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool) -> torch.Tensor:
-    """``values`` (float8_e4m3fn) as ``dtype``, exactly, in the shared workspace (or, when an
-    autograd graph may keep it, ``reuse`` False, in a buffer of its own)."""
-    weight, factor = _fp8_values_scaled_as(values, dtype, reuse)
-    return weight if factor == 1.0 else weight.mul_(factor)
-
-
 # What the CPU's bit-level conversion leaves out: its values are V * 2^-120 (below). The matmuls
 # apply the factor with the output scales, in float32, instead of a pass over every weight (on
 # the CPU, a quarter of the conversion's time); the powers of two cancel exactly, so outputs are
@@ -322,6 +315,12 @@ def _grouped_mm_kernel() -> Any:
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return _grouped_mm_kernel()(x, weight, offs=offsets)
+
+
+# Platforms whose FP8 experts run "dense" (fp8.DENSE_MAX_PAIRS) though they have a grouped GEMM:
+# the CPU's is one small matmul per expert, each repacking its expert's weights, where the dense
+# path is one matmul per cache-sized part of the converted weights (fp8_batched_linear).
+FP8_DENSE_EXPERTS_FIRST = {"cpu"}
 
 
 def experts_implementation(device_type: str) -> str:

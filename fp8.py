@@ -19,7 +19,8 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from device import experts_implementation, fp8_batched_linear, fp8_grouped_linear, fp8_linear
+from device import (FP8_DENSE_EXPERTS_FIRST, experts_implementation, fp8_batched_linear, fp8_grouped_linear,
+                    fp8_linear)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -77,10 +78,8 @@ class Fp8Linear(nn.Module):
 # matmuls are bound by reading the weights, so the extra FLOPs cost little there; beyond it (a
 # prefill) the 16x would not, and the experts run "host": one host read per layer (how many
 # tokens each expert has), then one matmul per expert that has tokens.
-# The CPU runs "dense" up to it too (beyond it, "grouped"), though it has a grouped GEMM: that is
-# one small matmul per expert there, each repacking its expert's weights, where "dense" is one
-# matmul per cache-sized part of the experts' converted weights (device.fp8_batched_linear):
-# FP8 decode ran 1.45x faster on bench/decode.py's model (16 rows; 2.20 s -> 1.52 s for 32 tokens).
+# The CPU runs "dense" up to it too (beyond it, "grouped"; device.FP8_DENSE_EXPERTS_FIRST): FP8
+# decode ran 1.45x faster so on bench/decode.py's model (16 rows; 2.20 s -> 1.52 s for 32 tokens).
 DENSE_MAX_PAIRS = 32768
 
 
@@ -105,7 +104,8 @@ class Fp8Experts(nn.Module):
         if self.implementation is not None:
             return self.implementation
         dense = tokens * self.num_experts <= DENSE_MAX_PAIRS
-        if experts_implementation(device_type) == "grouped_mm" and not (dense and device_type == "cpu"):
+        grouped = experts_implementation(device_type) == "grouped_mm"
+        if grouped and not (dense and device_type in FP8_DENSE_EXPERTS_FIRST):
             return "grouped"
         return "dense" if dense else "host"
 

@@ -93,7 +93,20 @@ class AlgoConfig:
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     entropy_coeff: float = 0.0
-    tis_cap: float = 0.0  # truncated importance sampling cap; 0 = off
+    tis_cap: float = 0.0  # the old name of rollout_is token with rollout_is_threshold tis_cap; 0 = off
+    # Rollout correction as verl names it (rollout_correction.py): importance weights and rejection.
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    rollout_is_threshold: str = "2.0"  # "C": truncate at C (TIS); "L_U": weight 0 outside [L, U] (IcePop)
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None  # comma-separated rejection modes, e.g. "token_k1,seq_max_k2"
+    rollout_rs_threshold: Optional[str] = None  # one for every mode, or one per mode
+
+    def importance_sampling(self) -> tuple[Optional[str], str]:
+        """(rollout_is, rollout_is_threshold), tis_cap read as what it always meant: token-level
+        truncation at tis_cap."""
+        if self.tis_cap > 0:
+            return "token", str(self.tis_cap)
+        return self.rollout_is, self.rollout_is_threshold
 
 
 @dataclass(frozen=True)
@@ -407,6 +420,32 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _check_rollout_correction(cfg.algo)
+
+
+def _check_rollout_correction(algo: AlgoConfig) -> None:
+    if algo.tis_cap > 0 and algo.rollout_is is not None:
+        raise ConfigError(f"tis_cap {algo.tis_cap:g} is the old name of rollout_is token with rollout_is_threshold "
+                          f"{algo.tis_cap:g}: set rollout_is and rollout_is_threshold, not tis_cap too")
+    import rollout_correction  # torch: every caller of load_config has it loaded already
+
+    try:
+        rollout_correction.check_settings(*algo.importance_sampling(), algo.rollout_rs, algo.rollout_rs_threshold)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def check_model_folders(cfg: Config) -> None:
+    """UserError (one line) unless model_path, and reward_model when set, name a local model
+    folder with its config.json. Checked before anything reads them: transformers takes a missing
+    folder for a Hub repo id, and a folder without config.json for one of an unknown model."""
+    for key, path in (("model_path", cfg.model.model_path), ("reward_model", cfg.model.reward_model)):
+        if path is None:
+            continue
+        if not Path(path).is_dir():
+            raise ConfigError(f"{key} {path}: no such folder (a local Hugging Face model folder; nothing is downloaded)")
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{key} {path}: no config.json in this folder (expected a Hugging Face model folder)")
 
 
 # The learning-rate warning: above HIGH_LR on a model of more than LARGE_MODEL_PARAMS parameters.
@@ -604,7 +643,12 @@ KEY_HELP: dict[str, str] = {
     "overlong_buffer_len": "DAPO soft overlong punishment: tokens before max_response_length where it starts (0 = off)",
     "overlong_penalty_factor": "DAPO soft overlong punishment at max_response_length",
     "entropy_coeff": "entropy bonus (entropy is always logged)",
-    "tis_cap": "truncated importance-sampling cap for rollout/learner mismatch (0 = off; 2.0 with FP8 rollout)",
+    "tis_cap": "old name: tis_cap C is rollout_is token with rollout_is_threshold C (0 = off)",
+    "rollout_is": "importance weights for the rollout/learner mismatch, per token or per sequence [token | sequence] (null = off)",
+    "rollout_is_threshold": "C: weights truncated at C (TIS; 2.0 with FP8 rollout); 'L_U': weight 0 outside [L, U] (IcePop; quote it in YAML)",
+    "rollout_is_batch_normalize": "divide the importance weights by their mean over the step's tokens (or sequences)",
+    "rollout_rs": "rejection: comma-separated token_k1/2/3, seq_sum_k1/2/3, seq_mean_k1/2/3, seq_max_k2/3; a token must pass all (null = off)",
+    "rollout_rs_threshold": "per rollout_rs mode, comma-separated (or one for all): k1 a ratio band 'L_U' (U alone: 1/U_U), k2/k3 an upper bound",
     # optim
     "learning_rate": "AdamW learning rate (large MoE models: ~1e-6)",
     "lr_warmup_steps": "linear warmup over this many training steps (as verl counts them)",

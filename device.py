@@ -28,6 +28,8 @@ from config import UserError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # FP8 rollout computes in bf16 around its FP8 weights (fp8.py).
 ROLLOUT_COMPUTE_DTYPES = {**DTYPES, "fp8": torch.bfloat16}
+# The variable that says which devices a process may open (its device i is the list's i-th).
+VISIBLE_DEVICES_VARIABLE = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 def _import_torch_npu() -> Optional[ModuleType]:
@@ -68,6 +70,21 @@ class Platform:
         if self.module is None:
             return None
         return self.module.get_device_properties(self.local_rank).total_memory
+
+    def memory_held(self) -> Optional[int]:
+        """The device memory this process's allocator holds now (reserved, cached blocks
+        included: none of it is free to another process), or None on CPU."""
+        return None if self.module is None else self.module.memory_reserved(self.local_rank)
+
+    def child_visible_devices(self) -> dict[str, str]:
+        """The environment under which a child process sees this process's device alone, as
+        its device 0: a fresh interpreter otherwise opens device 0, whatever rank started it.
+        Composes with a visible-devices list this process was started under."""
+        name = VISIBLE_DEVICES_VARIABLE.get(self.kind)
+        if name is None:
+            return {}
+        inherited = [entry.strip() for entry in os.environ.get(name, "").split(",") if entry.strip()]
+        return {name: inherited[self.local_rank] if inherited else str(self.local_rank)}
 
     def peak_memory(self) -> dict[str, Optional[int]]:
         """The most this process has held so far, in bytes: host (resident set) and device
@@ -133,6 +150,31 @@ def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
     return Platform("cpu", "gloo", local_rank)
 
 
+# Device types that follow another platform's rules: tests/accel_standin.py's stand-in device,
+# set there to the platform it imitates (its ACCEL_KIND). Every other device type follows its own.
+IMITATED_PLATFORM: dict[str, str] = {}
+
+
+def kind_of(device_type: str) -> str:
+    """The platform ("npu", "cuda", "cpu", ...) whose rules a ``device_type`` device follows
+    wherever the project branches per platform (FP8 storage, expert kernels, attention masks)."""
+    return IMITATED_PLATFORM.get(device_type, device_type)
+
+
+# Platforms whose attention takes a bool mask only: torch_npu documents a bool attn_mask for
+# scaled_dot_product_attention (its fused kernel), no additive float one. Elsewhere the KV cache
+# keeps an additive float mask: the same outputs (equal on the CPU, bit for bit), and on the
+# CPU an fp32 decode step's attention took 1.01-1.15x as long with a bool mask (torch's math
+# path turns it into an additive one each call; 16-48 rows, 72-256 keys; equal in bf16).
+BOOL_ATTENTION_MASKS = {"npu"}
+
+
+def attention_mask_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of an attention mask over ``dtype`` scores on a ``device_type`` device: bool
+    (True: attend) where the platform takes no other, else ``dtype`` (0 or -inf, added)."""
+    return torch.bool if kind_of(device_type) in BOOL_ATTENTION_MASKS else dtype
+
+
 # --- FP8 matmuls -------------------------------------------------------------------------------
 # fp8.py holds weights as float8_e4m3fn values V with one float32 scale s per output row:
 # W = V * s[:, None]. Every e4m3 value is exactly a bf16 (and fp32) value, so the matmuls below
@@ -150,11 +192,76 @@ def select_platform(requested: str = "auto", local_rank: int = 0) -> Platform:
 # _scaled_grouped_mm). It would go behind fp8_linear's and fp8_grouped_linear's signatures,
 # chosen per platform beside FP8_TO_COMPUTE, with these functions as the fallback.
 
-# How FP8 values become compute-dtype values, per platform. "bits" (CPU, bf16): integer ops
+# How float8 values become compute-dtype values, per platform. "bits" (CPU, bf16): integer ops
 # build the bf16 bit patterns, ~10x faster there than torch's float8 conversion, a scalar loop
-# on the CPU. "cast": torch's conversion (CUDA: a native kernel; NPU: the conversion this build
-# has always done there, as values.float() before).
-FP8_TO_COMPUTE = {"cpu": "bits", "cuda": "cast", "npu": "cast"}
+# on the CPU. "cast" (the rest): torch's conversion (CUDA: a native kernel).
+FP8_TO_COMPUTE = {"cpu": "bits", "cuda": "cast"}
+
+# Platforms whose kernels take no float8 tensor: torch_npu's cast and copy kernels have no
+# float8 on Atlas A2/A3 (910B), so a float8 device tensor fails at its first copy (loading a
+# rollout rank, the lead's first weight sync). FP8 weights live there as their e4m3 bit
+# patterns in uint8: written by integer ops (fp8_values), sent as the same bytes as float8
+# values elsewhere, and read through a table of the 256 values in the compute dtype
+# (index_select by code): exact, where "bits" gives V * 2^-120, bf16 subnormals for small V,
+# whose products fall below float32's normal range where a kernel flushes subnormals.
+FP8_AS_CODES = {"npu"}
+
+
+def fp8_storage_dtype(device_type: str) -> torch.dtype:
+    """What FP8 values are stored as on a ``device_type`` device: float8_e4m3fn, or uint8 codes."""
+    return torch.uint8 if kind_of(device_type) in FP8_AS_CODES else torch.float8_e4m3fn
+
+
+# Elements encoded or decoded at once on FP8_AS_CODES platforms: bounds their int32 temporaries
+# to 64 MiB each, where a layer's fused experts are ~400M weights.
+FP8_CODE_CHUNK = 1 << 24
+
+
+def fp8_values(scaled: torch.Tensor, stored_on: str) -> torch.Tensor:
+    """``scaled`` (float32, |x| <= 448) rounded to e4m3 (to nearest, ties to even) and stored
+    as fp8_storage_dtype(stored_on) gives: uint8 codes bit for bit torch's float8_e4m3fn."""
+    if fp8_storage_dtype(stored_on) != torch.uint8:
+        return scaled.to(torch.float8_e4m3fn)
+    flat, codes = scaled.contiguous().view(-1), torch.empty(scaled.shape, dtype=torch.uint8, device=scaled.device)
+    for start in range(0, flat.numel(), FP8_CODE_CHUNK):
+        part = slice(start, start + FP8_CODE_CHUNK)
+        codes.view(-1)[part] = _e4m3_codes(flat[part])
+    return codes
+
+
+def _e4m3_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """c10's float32 -> float8_e4m3fn rounding (c10/util/Float8_e4m3fn.h), on int32 words."""
+    bits = scaled.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    # normal results: drop 20 mantissa bits with round-to-nearest-even, rebias 127 -> 7
+    odd = (magnitude >> 20) & 1
+    normal = (magnitude + (0x7FFFF - (120 << 23)) + odd) >> 20
+    # below e4m3's smallest normal (2^-6): adding 2^14 rounds |x| to a multiple of 2^-9, e4m3's
+    # subnormal step, in the float32 adder; the low bits are then the code
+    subnormal = (magnitude.view(torch.float32) + 2.0 ** 14).view(torch.int32) - (141 << 23)
+    codes = torch.where(magnitude < (121 << 23), subnormal, normal) | ((bits >> 24) & 0x80)
+    return codes.to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m3_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The 256 e4m3 values in ``dtype`` on ``device``, by code (made on the host, where float8 works)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(dtype).to(device)
+
+
+def _decode_codes(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = the values of e4m3 ``codes`` (uint8), through the table: no float8 tensor."""
+    table, flat = _e4m3_table(codes.device, out.dtype), codes.reshape(-1)
+    for start in range(0, flat.numel(), FP8_CODE_CHUNK):
+        part = slice(start, start + FP8_CODE_CHUNK)
+        torch.index_select(table, 0, flat[part].to(torch.int32), out=out.view(-1)[part])
+    return out
+
+
+def fp8_values_as(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 values (float8_e4m3fn, or uint8 codes) as ``dtype`` values, exactly, in a new tensor."""
+    out = torch.empty(values.shape, dtype=dtype, device=values.device)
+    return _decode_codes(values, out) if values.dtype == torch.uint8 else out.copy_(values)
 
 
 # One flat buffer per (device, dtype), as large as the largest FP8 weight converted so far, shared
@@ -190,7 +297,9 @@ def _fp8_values_scaled_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool)
         if reuse:
             _FP8_WORKSPACE[key] = buffer
     out = buffer[:numel].view(values.shape)
-    if dtype != torch.bfloat16 or FP8_TO_COMPUTE.get(values.device.type) != "bits":
+    if values.dtype == torch.uint8:  # codes (FP8_AS_CODES)
+        return _decode_codes(values, out), 1.0
+    if dtype != torch.bfloat16 or FP8_TO_COMPUTE.get(kind_of(values.device.type)) != "bits":
         return out.copy_(values), 1.0
     # e4m3 sign|eeee|mmm -> bf16 sign|0000eeee|mmm0000: the int8 sign-extends into int16, the shift
     # puts e and m under bf16's exponent and mantissa, the mask keeps the sign bit alone above
@@ -280,7 +389,7 @@ FP8_PART_BYTES = {"cpu": 1 << 20}
 def _expert_parts(values: torch.Tensor, dtype: torch.dtype) -> list[tuple[int, int]]:
     """[start, stop) over the experts of ``values`` [E, N, K]: all of them, or parts of at most
     FP8_PART_BYTES once converted to ``dtype`` (one expert each at least)."""
-    limit, experts = FP8_PART_BYTES.get(values.device.type), values.shape[0]
+    limit, experts = FP8_PART_BYTES.get(kind_of(values.device.type)), values.shape[0]
     size = experts if limit is None else max(1, limit // (values[0].numel() * dtype.itemsize))
     return [(start, min(start + size, experts)) for start in range(0, experts, size)]
 
@@ -327,12 +436,98 @@ def experts_implementation(device_type: str) -> str:
     """transformers' kernel for fused MoE experts on a ``device_type`` device (its config's
     ``experts_implementation``; transformers itself picks ``grouped_mm`` on every device).
 
-    ``grouped_mm`` (one grouped GEMM per projection) on CUDA and CPU. ``eager`` (a loop over the
-    experts that received tokens) on NPU: torch_npu's operator table lists no ``_grouped_mm``, so
-    the first forward there may raise NotImplementedError; eager is the safe path until a run on
-    an NPU confirms the grouped kernel.
+    ``grouped_mm`` (one grouped GEMM per projection) on CUDA and CPU. On NPU, where torch_npu's
+    operator table lists no ``_grouped_mm`` and transformers' ``eager`` loop reads the device
+    twice per expert and layer (~12k host waits a 30B forward): torch_npu's grouped matmul
+    (NPU_GROUPED_EXPERTS) where torch_npu has it, else every expert on every token
+    (DENSE_EXPERTS). Neither waits for the device.
     """
-    return "eager" if device_type == "npu" else "grouped_mm"
+    if kind_of(device_type) != "npu":
+        return "grouped_mm"
+    _register_experts_kernels()
+    return NPU_GROUPED_EXPERTS if _npu_grouped_matmul() is not None else DENSE_EXPERTS
+
+
+NPU_GROUPED_EXPERTS, DENSE_EXPERTS = "npu_grouped_matmul", "dense"
+
+
+@functools.lru_cache(maxsize=None)
+def _register_experts_kernels() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NPU_GROUPED_EXPERTS, _npu_grouped_experts_forward)
+    ExpertsInterface.register(DENSE_EXPERTS, _dense_experts_forward)
+
+
+def _npu_grouped_matmul() -> Optional[Any]:
+    return getattr(_import_torch_npu(), "npu_grouped_matmul", None)
+
+
+def _in_out(weight: torch.Tensor, is_transposed: bool) -> torch.Tensor:
+    """Fused expert weights as [E, in, out] (transformers stores [E, out, in] unless transposed)."""
+    return weight if is_transposed else weight.transpose(-2, -1)
+
+
+def _check_experts(experts: torch.nn.Module) -> None:
+    if experts.has_bias or not experts.has_gate:
+        raise NotImplementedError(f"{type(experts).__name__}: the NPU experts kernels take gated experts "
+                                  "without biases (Qwen3-MoE's)")
+
+
+class _NpuGroupedMatmul(torch.autograd.Function):
+    """Rows of ``x`` [S, K], sorted by expert, times their expert's ``weight`` [E, K, N], with
+    ``counts`` [E] (int64, on the device) the rows of each expert: torch_npu's grouped matmul
+    in its m-grouped form (split_item 2: one x, one output), and for the weights' gradient its
+    k-grouped form (x.T's columns grouped by expert: one [K, N] product per expert, packed), as
+    MindSpeed and verl call it for training. The counts stay on the device."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, counts)
+        return _npu_grouped_matmul()([x], [weight], group_list=counts, group_type=0, split_item=2,
+                                     group_list_type=1)[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, counts = ctx.saved_tensors
+        kernel = _npu_grouped_matmul()
+        grad_x = kernel([grad], [weight.transpose(-2, -1)], group_list=counts, group_type=0, split_item=2,
+                        group_list_type=1)[0]
+        grad_weight = kernel([x.transpose(0, 1)], [grad], group_list=counts, group_type=2, split_item=3,
+                             group_list_type=1)[0]
+        return grad_x, grad_weight.view(weight.shape), None
+
+
+def _npu_grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped_mm experts (integrations/moe.py) on torch_npu's grouped matmul; the
+    rows per expert counted by a scatter-add (histc takes no integers on every platform)."""
+    _check_experts(self)
+    tokens, top_k = top_k_index.shape
+    expert_of_row, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    counts = torch.zeros(self.num_experts, dtype=torch.int64, device=hidden_states.device)
+    counts.scatter_add_(0, expert_of_row, torch.ones_like(expert_of_row))
+    rows = hidden_states[order // top_k]
+    gate_up = _NpuGroupedMatmul.apply(rows, _in_out(self.gate_up_proj, self.is_transposed), counts)
+    down = _NpuGroupedMatmul.apply(self._apply_gate(gate_up), _in_out(self.down_proj, self.is_transposed), counts)
+    weighted = down * top_k_weights.reshape(-1)[order, None]
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) order
+    return weighted[back].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, as W @ x.T (fp8_batched_linear's form), each output times
+    its routing weight, zero for the experts a token did not choose: E / top-k times the
+    routed FLOPs and [E, tokens, 2I] activations, but no grouped GEMM and no host read."""
+    _check_experts(self)
+    gate_up = torch.matmul(_in_out(self.gate_up_proj, self.is_transposed).transpose(-2, -1),
+                           hidden_states.transpose(0, 1)).transpose(-2, -1)  # [E, T, 2I]
+    down = torch.matmul(self._apply_gate(gate_up), _in_out(self.down_proj, self.is_transposed))  # [E, T, H]
+    routing = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=top_k_weights.dtype,
+                          device=hidden_states.device).scatter_add_(1, top_k_index, top_k_weights)
+    return (down * routing.transpose(0, 1)[..., None]).sum(dim=0).to(hidden_states.dtype)
 
 
 # The built-in engine's decode step under torch.compile (rollout_compile), per platform: the mode
@@ -368,6 +563,63 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA/NPU device generator
+
+
+def bind_host_cores(plat: Platform, device_count: Optional[int] = None,
+                    nodes_dir: Path = Path("/sys/devices/system/node")) -> Optional[set[int]]:
+    """Bind this NPU rank to its share of its device's NUMA node (article 5.3): every thread it
+    has now, and so every thread and child process it starts later (the vLLM engine, checkpoint
+    writers, OpenMP's pool), which inherit their starter's cores. Returns the cores the rank has
+    then, or None where it is left as it is. Records what applies in DAPO_CPU_BINDING, which
+    env_report.json's cpu_binding reports.
+
+    The devices lie over the NUMA nodes with cores in order (device 0 on node 0, as torch_npu's
+    documentation has it), and a node's cores (``nodes_dir``/nodeN/cpulist) are split evenly among
+    its devices, so that two ranks share a core only where a node has fewer cores than devices;
+    the kernel drops the cores a cpuset does not allow.
+
+    Not torch_npu's binding (CPU_AFFINITY_CONF, launch.sh's default until now): mode 1 binds the
+    main thread to the device's share of the cores, all of them split evenly by device index with
+    no regard to NUMA nodes; mode 2 pins the main thread to the share's first core (torch_npu's
+    own dispatch, ACL and release threads to one core each), and every thread and process the main
+    thread starts inherits that one core. A CPU_AFFINITY_CONF the user sets is left to torch_npu,
+    which binds nothing where it finds the process bound already. CUDA ranks get torchrun's
+    --numa-binding from launch.sh; CPU ranks share the host as the user's OMP_NUM_THREADS says.
+    """
+    if plat.kind != "npu":
+        return None
+    if (user_choice := os.environ.get("CPU_AFFINITY_CONF")) is not None:
+        os.environ.setdefault("DAPO_CPU_BINDING", f"CPU_AFFINITY_CONF={user_choice}")
+        return None
+    nodes = {}
+    for path in nodes_dir.glob("node[0-9]*"):
+        cores = []
+        for part in filter(None, (path / "cpulist").read_text().strip().split(",")):
+            first, _, last = part.partition("-")
+            cores.extend(range(int(first), int(last or first) + 1))
+        if cores:  # not a node of memory alone
+            nodes[int(path.name[4:])] = cores
+    if not nodes:
+        return None
+    devices = device_count if device_count is not None else plat.module.device_count()
+    node_of = [sorted(nodes)[device * len(nodes) // devices] for device in range(devices)]
+    node = node_of[plat.local_rank]
+    neighbours = [device for device in range(devices) if node_of[device] == node]
+    index, cores = neighbours.index(plat.local_rank), nodes[node]
+    share = len(cores) / len(neighbours)
+    mine = cores[int(index * share):int((index + 1) * share)] or [cores[index % len(cores)]]
+    try:
+        os.sched_setaffinity(0, mine)
+    except OSError:  # a cpuset that allows none of them: left to the cpuset
+        return None
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), mine)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+    bound = os.sched_getaffinity(0)
+    os.environ["DAPO_CPU_BINDING"] = f"NUMA node {node}, cores {','.join(map(str, sorted(bound)))} (rank's share)"
+    return bound
 
 
 def _cann_version() -> Optional[str]:

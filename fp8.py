@@ -1,6 +1,7 @@
 """FP8 rollout weights (article 3.1): the rollout copy of the policy stores the weights of its
 linear layers and fused experts as ``float8_e4m3fn`` with one float32 scale per output channel,
-and multiplies with them through :func:`device.fp8_linear`.
+and multiplies with them through :func:`device.fp8_linear`. On platforms without float8 kernels
+(NPU: device.FP8_AS_CODES) the same values are stored as their e4m3 codes in uint8.
 
 Why per output channel, not the 128 x 128 blocks of published FP8 checkpoints: the FP8 values
 convert exactly to the compute dtype and a per-row scale is then one multiply per output element
@@ -20,26 +21,27 @@ import torch
 from torch import nn
 
 from device import (FP8_DENSE_EXPERTS_FIRST, experts_implementation, fp8_batched_linear, fp8_grouped_linear,
-                    fp8_linear)
+                    fp8_linear, fp8_values, fp8_values_as)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, stored_on: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 values, float32 scales of shape weight.shape[:-1]): weight ~= values * scales[..., None].
 
     Each output channel (row) is scaled so its largest magnitude maps to FP8_MAX; an all-zero
-    row gets scale 1, so it stays exactly zero instead of dividing by zero.
+    row gets scale 1, so it stays exactly zero instead of dividing by zero. The values are
+    stored as the device type ``stored_on`` (default: the weight's) stores FP8 values.
     """
     amax = weight.detach().abs().amax(dim=-1).float()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    values = (weight.detach().float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return values, scale
+    scaled = (weight.detach().float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    return fp8_values(scaled, stored_on or weight.device.type), scale
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (values.float() * scale.unsqueeze(-1)).to(dtype)
+    return (fp8_values_as(values, torch.float32) * scale.unsqueeze(-1)).to(dtype)
 
 
 class Fp8Weight(nn.Module):
@@ -61,16 +63,16 @@ class Fp8Weight(nn.Module):
 class Fp8Linear(nn.Module):
     """nn.Linear without bias whose weight is an :class:`Fp8Weight`."""
 
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, stored_on: Optional[str] = None) -> None:
         super().__init__()
         assert linear.bias is None, "Qwen3 linear layers have no bias"
-        self.weight = Fp8Weight(*quantize(linear.weight), compute_dtype)
+        self.weight = Fp8Weight(*quantize(linear.weight, stored_on), compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight.values, self.weight.scale)
 
 
-# Where a platform has no grouped GEMM (NPU: device.experts_implementation gives "eager" there),
+# Where a platform has no grouped GEMM for FP8 experts (NPU: device.experts_implementation is not grouped_mm),
 # the experts run "dense" up to this many (token, expert) pairs, tokens x experts: every expert
 # on every token, E / top-k times the FLOPs of the routed computation (16x for Qwen3-30B-A3B's
 # 128 experts, top-8) and [E, T, 3I + H] activations (285 MB at 30B-A3B's sizes and 256 tokens),
@@ -94,11 +96,11 @@ class Fp8Experts(nn.Module):
 
     implementation: Optional[str] = None  # "grouped", "dense", "host"; None: the platform's choice
 
-    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype) -> None:
+    def __init__(self, experts: nn.Module, compute_dtype: torch.dtype, stored_on: Optional[str] = None) -> None:
         super().__init__()
         self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
-        self.gate_up_proj = Fp8Weight(*quantize(experts.gate_up_proj), compute_dtype)
-        self.down_proj = Fp8Weight(*quantize(experts.down_proj), compute_dtype)
+        self.gate_up_proj = Fp8Weight(*quantize(experts.gate_up_proj, stored_on), compute_dtype)
+        self.down_proj = Fp8Weight(*quantize(experts.down_proj, stored_on), compute_dtype)
 
     def path(self, tokens: int, device_type: str) -> str:
         if self.implementation is not None:
@@ -122,7 +124,9 @@ class Fp8Experts(nn.Module):
         expert_of_row, order = torch.sort(top_k_index.reshape(-1), stable=True)  # pair order: by expert
         rows = hidden_states[order // top_k]
         if host:
-            offsets, counts = None, torch.bincount(expert_of_row, minlength=self.num_experts).tolist()
+            # counted by a scatter-add: bincount reads its input's largest value on the host too
+            per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=expert_of_row.device)
+            offsets, counts = None, per_expert.scatter_add_(0, expert_of_row, torch.ones_like(expert_of_row)).tolist()
         else:
             # histc, not bincount, whose CUDA kernel reads its input's largest value on the host;
             # histc counts floats on the CPU, integers elsewhere (as transformers' grouped_mm experts)
@@ -171,15 +175,16 @@ def fp8_parameter_names(model: nn.Module) -> set[str]:
     return {f"{name}.{parameter}" for name, _, parameter in _targets(model)}
 
 
-def convert_to_fp8(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+def convert_to_fp8(model: nn.Module, compute_dtype: torch.dtype, stored_on: Optional[str] = None) -> nn.Module:
     """Replace, in place, every linear layer but the lm_head and every fused-experts block by its
     FP8 form; the rest is cast to ``compute_dtype``. Works one module at a time, so the model
-    never exists in full precision and FP8 at once."""
+    never exists in full precision and FP8 at once. ``stored_on``: the device type the model
+    will live on, where that is not where it is now (built on meta)."""
     replaced: dict[str, nn.Module] = {}
     for name, module, _ in list(_targets(model)):
         if name not in replaced:
-            replaced[name] = (Fp8Linear(module, compute_dtype) if isinstance(module, nn.Linear)
-                              else Fp8Experts(module, compute_dtype))
+            replaced[name] = (Fp8Linear(module, compute_dtype, stored_on) if isinstance(module, nn.Linear)
+                              else Fp8Experts(module, compute_dtype, stored_on))
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, replaced[name])
     for parameter in model.parameters():

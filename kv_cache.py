@@ -1,8 +1,9 @@
 """The built-in engine's KV cache: allocated once per generation batch, written in place.
 
-Keys and values of every layer for rows x (prompt width + max_new_tokens) positions, an additive
-attention mask over those positions and the column the next token's key goes to; no tensor grows
-with the step (transformers' DynamicCache concatenates the whole cache every token).
+Keys and values of every layer for rows x (prompt width + max_new_tokens) positions, an attention
+mask over those positions (additive, or bool where the platform takes no other:
+device.attention_mask_dtype) and the column the next token's key goes to; no tensor grows with
+the step (transformers' DynamicCache concatenates the whole cache every token).
 
 How it reaches the model: transformers' attention modules compute q, k and v, then call the
 attention function named by ``config._attn_implementation`` with the keyword arguments the model
@@ -21,6 +22,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from device import attention_mask_dtype
+
 ATTENTION = "dapo_kv_cache"
 
 
@@ -30,15 +33,18 @@ class KVCache:
         self.layers, self.rows, self.length, self.device = config.num_hidden_layers, rows, length, device
         self.keys: Optional[torch.Tensor] = None  # [layers, rows, kv heads, length, head dim], on first write
         self.values: Optional[torch.Tensor] = None
-        self.bias: Optional[torch.Tensor] = None  # [rows, length]: 0 where a key is attended, -inf elsewhere
+        # [rows, length]: 0 (or True) where a key is attended, -inf (or False) elsewhere
+        self.mask: Optional[torch.Tensor] = None
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # where the next token's key goes
 
     def prefill_mask(self, prompt_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The prompt's 4-D mask (causal, padding keys masked) and, for the decode steps, the
-        bias over every position: the prompt's real tokens open, the rest closed until written."""
+        mask over every position: the prompt's real tokens open, the rest closed until written."""
         width = prompt_mask.shape[1]
-        self.bias = torch.full((self.rows, self.length), float("-inf"), dtype=dtype, device=self.device)
-        self.bias[:, :width].masked_fill_(prompt_mask, 0.0)
+        mask_dtype = attention_mask_dtype(self.device.type, dtype)
+        closed, self.opened = (False, True) if mask_dtype == torch.bool else (float("-inf"), 0.0)
+        self.mask = torch.full((self.rows, self.length), closed, dtype=mask_dtype, device=self.device)
+        self.mask[:, :width].masked_fill_(prompt_mask, self.opened)
         self.column.fill_(width)
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         allowed = causal[None] & prompt_mask[:, None, :]
@@ -49,16 +55,16 @@ class KVCache:
 
     def decode_mask(self) -> torch.Tensor:
         """Opens the column of the token about to be fed (it attends to itself): the step's 4-D mask."""
-        self.bias.index_fill_(1, self.column, 0.0)
-        return self.bias[:, None, None, :]
+        self.mask.index_fill_(1, self.column, self.opened)
+        return self.mask[:, None, None, :]
 
     def advance(self) -> None:
         self.column.add_(1)
 
     def keep(self, rows: torch.Tensor) -> None:
         """Only these rows from now on (finished rows compacted out)."""
-        self.keys, self.values, self.bias = (t.index_select(1 if t.dim() == 5 else 0, rows)
-                                             for t in (self.keys, self.values, self.bias))
+        self.keys, self.values, self.mask = (t.index_select(1 if t.dim() == 5 else 0, rows)
+                                             for t in (self.keys, self.values, self.mask))
         self.rows = rows.numel()
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

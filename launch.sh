@@ -61,19 +61,23 @@ sys.exit(torch.version.cuda is not None or getattr(torch.version, "hip", None) i
 torchrun_cmd() {
   local py; py=$(python_bin)
   local platform; platform=$("$py" -c 'from device import select_platform; print(select_platform().kind)')
-  # Each rank's host threads on its device's NUMA node (article 5.3), unless the user chose:
-  # the Ascend extension's CPU_AFFINITY_CONF (2 = fine-grained; 1 on older releases), torchrun's
-  # --numa-binding on CUDA (NUMA_BINDING=none turns it off). env_report.json records which.
+  # Each rank's host threads on its device's NUMA node (article 5.3): on NPU each rank binds
+  # itself to its share of the node at start-up (device.bind_host_cores), unless the user set the
+  # Ascend extension's CPU_AFFINITY_CONF, whose mode 2 would pin the rank's main thread, and with
+  # it the engine process and writer threads it starts, to one core; on CUDA torchrun's
+  # --numa-binding, exclusive: an even share of the node's cores, as on NPU, so that the learners
+  # of one node, which take a thread per core for the host optimizer under learner_offload, do
+  # not share cores (NUMA_BINDING=node gives every rank the whole node; none turns it off).
+  # env_report.json records which.
   local binding=()
   if [[ "$platform" == npu ]]; then
     # HCCL_EXEC_TIMEOUT is the name CANN and torch_npu read (the article's HCCL_TIMEOUT does
     # nothing); its default, 1800 s, is below the 30B config's dist_timeout_s.
     export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}" HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-3000}"
-    export CPU_AFFINITY_CONF="${CPU_AFFINITY_CONF:-2}" DAPO_CPU_BINDING="CPU_AFFINITY_CONF=${CPU_AFFINITY_CONF:-2}"
-  elif [[ "$platform" == cuda && "${NUMA_BINDING:-node}" != none ]] \
+  elif [[ "$platform" == cuda && "${NUMA_BINDING:-exclusive}" != none ]] \
       && "$py" -m torch.distributed.run --help 2>/dev/null | grep -q -- --numa-binding; then
-    binding=(--numa-binding "${NUMA_BINDING:-node}")
-    export DAPO_CPU_BINDING="torchrun --numa-binding ${NUMA_BINDING:-node}"
+    binding=(--numa-binding "${NUMA_BINDING:-exclusive}")
+    export DAPO_CPU_BINDING="torchrun --numa-binding ${NUMA_BINDING:-exclusive}"
   fi
   local nnodes="${NNODES:-1}"
   # A 5 s monitor interval gives the surviving ranks time to report which phase broke before

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -21,7 +22,8 @@ import torch.distributed as dist
 
 import ckpt
 import dapo_loss
-from config import Config, Derived, UserError, uses_fsdp
+import rollout_correction
+from config import Config, Derived, OptimConfig, UserError, uses_fsdp
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
@@ -42,7 +44,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "llama")
 
 def check_model_type(model_path: str) -> None:
     """UserError (one line) for a model folder whose architecture is not one of SUPPORTED_MODEL_TYPES;
-    a folder without config.json is left to load_run_inputs, which says so."""
+    a folder without config.json is config.check_model_folders's to refuse."""
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         return
@@ -53,6 +55,17 @@ def check_model_type(model_path: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"model_path {model_path}: model_type {model_type!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def adamw(parameters: list[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
+    """The learner's AdamW: torch's fused kernel where every parameter is in host memory
+    (learner_offload, the CPU). torch's default there is neither fused nor foreach: a loop over
+    the tensors, several passes of separate ops over each, ~7x the fused step's time on one
+    thread (bench/optimizer_step.py), minutes per step over a 30B learner's 15.25B parameters.
+    The update equals the default's within float rounding. Elsewhere torch picks (foreach)."""
+    on_host = all(parameter.device.type == "cpu" for parameter in parameters)
+    return torch.optim.AdamW(parameters, lr=optim.learning_rate, betas=(0.9, 0.999),
+                             weight_decay=optim.weight_decay, fused=True if on_host else None)
 
 
 def shard_model(model: torch.nn.Module, mesh: Any, *, learner_dtype: str, offload: bool,
@@ -164,6 +177,9 @@ class StepTensors:
     old_logp: torch.Tensor
     ref_logp: Optional[torch.Tensor]
     is_weights: Optional[torch.Tensor]
+    # The response mask less the tokens rollout_rs rejects: what every loss term, its token count
+    # and the loss metrics sum over (the forward still attends to every token).
+    loss_mask: torch.Tensor
     length_ratio: torch.Tensor  # rho of docs/algorithm.md §5: length over the group's mean length
 
 
@@ -183,8 +199,12 @@ class Learner:
         if uses_reference_model(cfg):
             self.ref_model = self._build(None, reference_dtype(cfg, self.sharded), frozen=True)
             self.ref_model.eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.optim.learning_rate,
-                                           betas=(0.9, 0.999), weight_decay=cfg.optim.weight_decay)
+        if cfg.model.learner_offload and plat.kind != "cpu":
+            # AdamW and the gradient norm run on the host here, where torchrun's OMP_NUM_THREADS=1
+            # would leave them one thread: a thread per core of the rank's share of its NUMA node
+            # (device.bind_host_cores on NPU, launch.sh's torchrun --numa-binding on CUDA).
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
+        self.optimizer = adamw(list(self.policy.parameters()), cfg.optim)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.writer = ckpt.BackgroundWriter(plat.bind)
@@ -305,10 +325,15 @@ class Learner:
         # own error (rollout dtype, FP8, kernels), without the drift of one or more updates.
         same_weights = (batch.version[own] == step - 1)[:, None] & mask[own]
         gaps = {"all": gap[mask[own]], "engine": gap[same_weights]}
-        is_weights = None
-        if cfg.algo.tis_cap > 0:
-            is_weights = torch.exp(old_logp - batch.rollout_logp).clamp(max=cfg.algo.tis_cap) * mask
-        per_row = StepTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights,
+        # Over the whole step, the same on every learner (old_logp was exchanged), as verl computes
+        # it once per batch: so the batch normalisation and the metrics are the step's.
+        is_level, is_threshold = cfg.algo.importance_sampling()
+        correction = rollout_correction.correct(
+            old_logp, batch.rollout_logp, mask, is_level=is_level, is_threshold=is_threshold,
+            is_batch_normalize=cfg.algo.rollout_is_batch_normalize, rs_modes=cfg.algo.rollout_rs,
+            rs_threshold=cfg.algo.rollout_rs_threshold)
+        per_row = StepTensors(advantages=advantages, old_logp=old_logp, ref_logp=ref_logp,
+                              is_weights=correction.weights, loss_mask=correction.loss_mask,
                               length_ratio=dapo_loss.group_length_ratio(batch.response_lengths, batch.group_size))
         # Summed where they are computed: a read into Python would wait for each backward before
         # the next forward is queued; reduce_metrics reads them once per step.
@@ -319,7 +344,8 @@ class Learner:
             for minibatch in order.split(self.derived.minibatch_sequences * learners):
                 self.accumulate_minibatch(batch, per_row, minibatch, self.kl_coef_at(step), sums)
                 grad_norms.append(self.optimizer_step(step))
-        return self.reduce_metrics(sums, gaps, grad_norms, kl_coef=self.kl_coef_at(step), lr=self.lr_at(step))
+        return {**self.reduce_metrics(sums, gaps, grad_norms, kl_coef=self.kl_coef_at(step), lr=self.lr_at(step)),
+                **correction.metrics}
 
     def shared_logprobs(self, model: torch.nn.Module, batch: SampleBatch, own: torch.Tensor) -> torch.Tensor:
         """[N, R] log-probs of every row under ``model``: each learner computes its ``own`` rows
@@ -337,11 +363,15 @@ class Learner:
         adding its metrics into ``sums`` on the device."""
         algo, learners = self.cfg.algo, self.layout.num_learners
         rows = minibatch[self.layout.learner_index::learners]
-        tokens = int(batch.response_mask[minibatch].sum())
+        # As in verl, rejected tokens leave the token-mean's denominator (it counts the loss mask),
+        # while the sequence means still count every row. At least 1: a mini-batch whose every
+        # token was rejected adds a loss of 0.
+        tokens = max(int(per_row.loss_mask[minibatch].sum()), 1)
         normalizer = tokens if algo.loss_agg_mode == "token-mean" else len(minibatch)
         for chunk, part in self.micro_batches(batch, rows):
             width = part.response_ids.shape[1]
-            part_mask = part.response_mask.to(self.plat.device)
+            host_mask = per_row.loss_mask[chunk, :width]
+            part_mask = host_mask.to(self.plat.device)
             logp, entropy = self.sequence_logprobs(self.policy, part, with_entropy=True,
                                                    entropy_grad=algo.entropy_coeff != 0)
             on_device = lambda t: t[chunk, :width].to(self.plat.device) if t is not None else None  # noqa: E731
@@ -352,7 +382,7 @@ class Learner:
                 is_weights=on_device(per_row.is_weights))
             entropy_term = dapo_loss.aggregate(entropy, part_mask, algo.loss_agg_mode, normalizer)
             loss = pg_loss - algo.entropy_coeff * entropy_term
-            share = int(part.response_mask.sum()) / tokens  # the metrics are means over tokens
+            share = int(host_mask.sum()) / tokens  # the metrics are means over tokens
             if per_row.ref_logp is not None:
                 kl = dapo_loss.aggregate(dapo_loss.kl_penalty(logp, on_device(per_row.ref_logp), algo.kl_type),
                                          part_mask, algo.loss_agg_mode, normalizer)

@@ -316,7 +316,8 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     if cfg.model.rollout_engine == "vllm":  # the engine's own settings come from the plan's rollout rank
         import engine_vllm
 
-        plan_engine["vllm"] = engine_vllm.engine_memory(rollout, device_memory)
+        plan_engine["vllm"] = engine_vllm.engine_memory(rollout, device_memory,
+                                                        bucket_bytes=cfg.run.weight_sync_bucket_mb * 2**20)
     plan = {**plan_engine, "model": {"params": arch.params, "fp8_rollout_bytes": arch.fp8_rollout_bytes},
             "layout": layout, "num_rollout_ranks": derived.num_rollout_ranks,
             "num_learner_ranks": derived.num_learner_ranks, "reward_model": reward,

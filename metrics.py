@@ -35,6 +35,9 @@ COLUMNS = [
     "grad_norm", "lr", "optimizer_steps", "skipped_steps",
     "num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version",
     "mismatch_mean", "mismatch_max", "engine_mismatch_mean",
+    # rollout correction (rollout_correction.METRICS), empty where rollout_is / rollout_rs is off
+    "rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
+    "rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction",
     "val_reward_mean", "val_acc",
     "alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit",
     "step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "save_time_s", "overlap", "gen_tokens_per_s",
@@ -48,6 +51,9 @@ TENSORBOARD_GROUPS = {
     "length": ("response_length_mean", "response_length_max", "truncated_frac"),
     "loss": ("policy_loss", "kl", "kl_coef", "entropy", "length_penalty"),
     "policy": ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mismatch_mean", "mismatch_max", "engine_mismatch_mean"),
+    # verl's tags for these: rollout_corr/rollout_is_mean, ...
+    "rollout_corr": ("rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
+                     "rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"),
     "optim": ("grad_norm", "lr", "optimizer_steps", "skipped_steps"),
     "sampling": ("num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version"),
     "val": ("val_reward_mean", "val_acc"),
@@ -208,12 +214,17 @@ def console_line(row: dict[str, Any]) -> str:
         return "-" if value is None else format(value, fmt)
 
     val = f" val_acc {num('val_acc', '.3f')}" if row.get("val_acc") is not None else ""
+    correction = ""
+    if row.get("rollout_is_mean") is not None:
+        correction += f" is {num('rollout_is_mean', '.3f')} ess {num('rollout_is_eff_sample_size', '.3f')}"
+    if row.get("rollout_rs_masked_fraction") is not None:
+        correction += f" rejected {num('rollout_rs_masked_fraction', '.3f')}"
     if row.get("policy_loss") is None:  # the validation-only row before training
         return f"step {row['step']:>5} | val_reward {num('val_reward_mean', '+.3f')}{val}"
     return (
         f"step {row['step']:>5} | reward {num('reward_mean', '+.3f')} acc {num('acc_mean', '.3f')} "
         f"| kl {num('kl', '.4f')} ent {num('entropy', '.3f')} len {num('response_length_mean', '.1f')} "
-        f"| loss {num('policy_loss', '+.4f')} | {num('step_time_s', '.2f')}s{val}"
+        f"| loss {num('policy_loss', '+.4f')}{correction} | {num('step_time_s', '.2f')}s{val}"
     )
 
 

@@ -118,6 +118,15 @@ class Layout:
     def learner_index(self) -> int:
         return self.rank - self.num_rollout
 
+    def rollout_ranks_on_node(self, nodes: int) -> int:
+        """The rollout ranks on this rank's node, torchrun placing ranks k*P..(k+1)*P-1 on node k
+        (memory_plan.node_hosts counts the same way); one process holds both roles."""
+        if self.world_size == 1:
+            return 1
+        per_node = self.world_size // nodes
+        first = self.rank // per_node * per_node
+        return sum(rank < self.num_rollout for rank in range(first, first + per_node))
+
 
 @dataclass(frozen=True)
 class Groups:
@@ -174,12 +183,27 @@ def unpack(longs: torch.Tensor, floats: torch.Tensor, rows: int, width_p: int, w
     return SampleBatch(rollout_logp=logp, group_size=group_size, **fields)
 
 
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """Every member's ``tensor`` (all the same shape), in group order, on every member.
+
+    What only one rank needs still travels to all: HCCL (ProcessGroupHCCL) has no gather or
+    scatter (the NPU extension 2.7 always raises; later versions unless TORCH_NPU_USE_COMPATIBLE_IMPL=1
+    on A2/A3), and every backend has all_gather. The price is small: the largest exchange, a
+    30B generation batch (6 rollout ranks, each 6 prompts x 8 samples of up to 2048 + 2048
+    tokens in int64, 65.6 kB a row), puts 7 members x 48 rows = 22 MB on every member of the
+    sync group for the moment of the transfer, next to an 805 MB weight-sync bucket. Receiving
+    at the lead from each rank in turn (send/recv) would spare the rollout ranks that, at the
+    cost of a round trip per rank in every generation batch."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return gathered
+
+
 def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float], layout: Layout, groups: Groups,
                    device: torch.device, group_size: int) -> Optional[tuple[list[SampleBatch], torch.Tensor]]:
     """Rollout ranks send their batch (or None) plus a few numbers; the lead receives, in rank order,
     every non-empty batch and a [num_rollout, len(header_values)] table of the numbers."""
     wait_for_group(groups.sync)
-    dst = layout.lead_learner
     rows = 0 if batch is None else batch.prompt_ids.shape[0]
     width_p = 0 if batch is None else batch.prompt_ids.shape[1]
     width_r = 0 if batch is None else batch.response_ids.shape[1]
@@ -189,11 +213,7 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
     if batch is None:
         batch = SampleBatch.empty(group_size)
     longs, floats = (t.to(device) for t in pack(batch, max_p, max_r, max_rows))
-    members = layout.num_rollout + 1
-    long_list = [torch.zeros_like(longs) for _ in range(members)] if layout.is_lead else None
-    float_list = [torch.zeros_like(floats) for _ in range(members)] if layout.is_lead else None
-    dist.gather(longs, long_list, dst=dst, group=groups.sync)
-    dist.gather(floats, float_list, dst=dst, group=groups.sync)
+    long_list, float_list = _all_gather(longs, groups.sync), _all_gather(floats, groups.sync)
     if not layout.is_lead:
         return None
     batches = [unpack(long_list[r], float_list[r], int(table[r, 0]), max_p, max_r, group_size)
@@ -351,9 +371,8 @@ def gather_json(value: Any, dst: int, group: dist.ProcessGroup, device: torch.de
     dist.all_gather(sizes, size, group=group)
     padded = torch.zeros(int(max(sizes)), dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
-    received = [torch.zeros_like(padded) for _ in sizes] if dist.get_rank() == dst else None
-    dist.gather(padded, received, dst=dst, group=group)
-    if received is None:
+    received = _all_gather(padded, group)
+    if dist.get_rank() != dst:
         return None
     return [json.loads(bytes(t[: int(n)].cpu().tolist())) for t, n in zip(received, sizes)]
 

@@ -22,7 +22,7 @@ from buckets import bucket_bound, bucketed_batches
 from config import Config, Derived, RolloutConfig, UserError
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, decode_compile_mode
 from engine import RolloutEngine, Sampling, Seeds
-from fp8 import FP8, convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
+from fp8 import convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
 from hf_weights import WeightFiles, empty_model
 from ranks import Layout, WeightBroadcast, phase
 from rewards import Scored
@@ -479,7 +479,7 @@ class RolloutWeights:
         shape, target = self.shapes[index], self.targets[index]
         if self._is_fp8(index):
             numel = shape.numel()
-            target.values.copy_(data[:numel].view(FP8).view(shape))
+            target.values.copy_(data[:numel].view(target.values.dtype).view(shape))  # float8, or uint8 codes
             scale = data[_aligned(numel):_aligned(numel) + 4 * (numel // shape[-1])]
             target.scale.copy_(scale.view(torch.float32).view(shape[:-1]))
         else:
@@ -490,7 +490,8 @@ def build_rollout_model(path: Path, rollout_dtype: str, device: Any) -> torch.nn
     """The rollout copy's architecture (FP8-converted for fp8 rollout) with storage on ``device``
     and no weights yet."""
     dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
-    to_fp8 = (lambda model: convert_to_fp8(model, dtype)) if rollout_dtype == "fp8" else None
+    to_fp8 = (lambda model: convert_to_fp8(model, dtype, torch.device(device).type)) if rollout_dtype == "fp8" \
+        else None
     return empty_model(path, device, dtype, to_fp8)
 
 

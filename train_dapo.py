@@ -30,7 +30,8 @@ import resuming
 import stopping
 from config import Config, Derived, Schedule, UserError, load_config, split_inspection, uses_fsdp, warnings_for
 from data_prep import check_reward_on_data, load_run_inputs
-from device import Platform, experts_implementation, seed_everything, select_platform, write_env_report
+from device import (Platform, bind_host_cores, experts_implementation, seed_everything, select_platform,
+                    write_env_report)
 from learner import Learner, check_model_type, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum, at_step,
@@ -276,7 +277,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         derived, layout = launch_layout(cfg, *asked)
         world_size, lead = layout.world_size, layout.is_lead
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        check_model_type(cfg.model.model_path)  # before any model loads and before output_dir is written
+        config.check_model_folders(cfg)  # before any model loads and before output_dir is written
+        check_model_type(cfg.model.model_path)
         check_rollout_inputs(cfg)
         check_report_to(cfg.run.report_to)
         if inspection == "dry_run":
@@ -293,14 +295,14 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         out = Path(cfg.run.output_dir)
         # A job torchrun restarted after a crash continues its own output, checkpoint or not.
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        resume = resuming.find_resume_checkpoint(
-            out, cfg.run.resume_from_checkpoint, restarted=restarted,
-            warn=warn if lead else quiet, log=log if lead else quiet)
+        resume = resuming.find_resume_checkpoint(out, cfg.run.resume_from_checkpoint, restarted=restarted,
+                                                 warn=warn if lead else quiet, log=log if lead else quiet)
         resuming.prepare_output_dir(out, overwrite=cfg.run.overwrite_output_dir, create=lead,
                                     resuming=cfg.run.resume_from_checkpoint is not None or resume is not None or restarted)
         role = "rollout+learner" if world_size == 1 else layout.role + " (lead)" * lead
         log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} "
             f"backend={plat.backend} moe_experts={experts_implementation(plat.kind)}")
+        bind_host_cores(plat)  # before the run's threads and processes start: they inherit its cores
         stopping.watch(layout, out)  # Ctrl-C and SIGTERM end the run with one line from here on
         if world_size > 1:
             plat.bind()

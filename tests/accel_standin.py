@@ -5,23 +5,31 @@ Most sessions and CI machines have no GPU or NPU, yet mistakes that only a devic
 tensor meeting a device tensor, a float64 collective HCCL rejects, a thread that never bound
 its device, an fp32 matmul in a bf16 learner) pass every plain CPU test. Here PrivateUse1 is
 renamed ``accel``; its tensors wrap real CPU tensors, so the run computes real numbers while
-every op sees two distinct devices. device.select_platform answers Platform("accel", "hccl"),
-every process group runs on gloo while remembering the backend it was meant for, and each op on
-the device is checked. Kinds of findings:
+every op sees two distinct devices. device.select_platform answers Platform("accel", B), B
+the intended backend (AUDIT_BACKEND: hccl, the default, or nccl); every process group runs on
+gloo while remembering the backend it was meant for, and each op on the device is checked.
+Kinds of findings:
 
   mix     a host tensor (dim > 0) meets a device tensor in one op (CUDA/NPU raise)
   gen     a generator on the other device than the tensors it draws for (CUDA/NPU raise)
   sync    the host waits for the device: item()/tolist()/bool(), .cpu(), nonzero & co.
   thread  device work on a thread whose current device is not the rank's own (a new thread
           starts on device 0 on CUDA and NPU)
-  dtype   matmuls (mm, bmm, _grouped_mm, ...) and attention, with their input dtypes
-  coll    a collective whose tensors the intended backend rejects: a host tensor into an
-          NCCL/HCCL group, a device tensor into gloo, a dtype HCCL or NCCL lacks
+  dtype   matmuls (mm, bmm, _grouped_mm, ...) and attention, with their input dtypes (and
+          "in backward" / "in attention's backward" where autograd's backward runs them)
+  coll    a collective the intended backend lacks or whose tensors it rejects: gather and
+          scatter (and their object variants) into HCCL, a host tensor into an NCCL/HCCL
+          group, a device tensor into gloo, a dtype HCCL or NCCL lacks (HCCL: no float64 in
+          any collective). torch.distributed's functions (FSDP2's all_gather_single and
+          reduce_scatter_single among them) and c10d's functional collectives (DTensor's) alike
+  npu     with ACCEL_KIND=npu (the stand-in follows the NPU's rules: device.kind_of gives
+          "npu" for it): a device op with a float8 operand or result (torch_npu on Atlas
+          A2/A3 has no float8 kernels), an attention mask that is not bool
 
 Each finding carries the innermost project frame, the innermost frame outside torch, the
 thread, and the project functions on the stack (so a test can count what happens inside one
-function). Not modelled: streams and events beyond what DCP asks, c10d functional collectives
-(FSDP2 over 2+ ranks uses them), fused attention kernels (the math path runs).
+function). Not modelled: streams and events beyond what DCP asks, fused attention kernels (the
+math path runs).
 
     AUDIT_OUT=DIR python tests/accel_standin.py train_dapo.py ARGS      # or under torchrun
 writes DIR/audit_rank<R>.json: {"findings": [...], "device_ops": {op(dtypes): count}}.
@@ -35,6 +43,7 @@ import runpy
 import sys
 import threading
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,6 +55,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 NAME = "accel"
 PROJECT = Path(__file__).resolve().parents[1]
 RANK_DEVICE = int(os.environ.get("LOCAL_RANK", "0"))
+IMITATES = os.environ.get("ACCEL_KIND")  # the platform whose rules the project follows here: "npu", or its own
 aten = torch.ops.aten
 
 # ----- findings --------------------------------------------------------------------------------
@@ -247,7 +257,16 @@ def is_device(value: Any) -> bool:
 
 # ----- generators, autocast and tensor factories that name the device --------------------------
 
-_generator_devices: dict[int, torch.device] = {}  # by seed: see DeviceAwareGenerator.manual_seed
+# Kernels see a plain wrapper of the C++ generator, not the subclass instance that named its
+# device; c10 hands out one wrapper per generator while that wrapper lives, so each generator
+# keeps its wrapper alive and the wrapper is what remembers the device.
+_generator_devices: "weakref.WeakKeyDictionary[torch._C.Generator, torch.device]" = weakref.WeakKeyDictionary()
+
+
+class _CaptureGenerator(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        self.generator = (kwargs or {}).get("generator")
+        return func(*args, **(kwargs or {}))
 
 
 class DeviceAwareGenerator(torch.Generator):
@@ -256,20 +275,18 @@ class DeviceAwareGenerator(torch.Generator):
     def __new__(cls, device: Any = "cpu") -> "DeviceAwareGenerator":
         generator = super().__new__(cls, "cpu")
         generator.made_for = torch.device(device)
+        with _CaptureGenerator() as capture:
+            torch.empty(0).uniform_(generator=generator)  # draws nothing
+        generator.as_kernels_see_it = capture.generator
+        _generator_devices[capture.generator] = generator.made_for
         return generator
 
     def __init__(self, device: Any = "cpu") -> None:
         pass
 
-    def manual_seed(self, seed: int) -> "DeviceAwareGenerator":
-        # Kernels get a fresh wrapper of the C++ generator (the subclass is lost), so the device
-        # is remembered by the seed, which survives.
-        _generator_devices[int(seed)] = self.made_for
-        return super().manual_seed(seed)
-
 
 def generator_device(generator: Any) -> torch.device:
-    return _generator_devices.get(generator.initial_seed(), generator.device)
+    return getattr(generator, "made_for", None) or _generator_devices.get(generator, generator.device)
 
 
 def _autocast_on() -> bool:
@@ -403,6 +420,7 @@ _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
 _SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.nonzero.default,
           aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
           aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
+_FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default,
             aten.linear.default, aten.matmul.default, aten._scaled_mm.default}
 
@@ -430,12 +448,14 @@ def check_op(func: Any, flat: list[Any], on_device: list[DeviceTensor]) -> None:
     if func in _MATMULS and not getattr(_local, "in_attention", False):
         uncast = " under autocast, which does not cast it" if _autocast_on() and op_name(func) not in AUTOCAST_LOWER \
             else ""
-        record("dtype", f"aten.{op_name(func)}({dtype_names(on_device)}){uncast}")
+        record("dtype", f"aten.{op_name(func)}({dtype_names(on_device)}){uncast}{_in_backward()}")
     with _lock:
         _device_ops[f"{op_name(func)}({','.join(sorted({dtype_names([t]) for t in on_device}))})"] += 1
 
 
 def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func.namespace in _FUNCTIONAL:
+        check_functional_collective(func, args, kwargs)
     flat, _ = tree_flatten((args, kwargs))
     on_device = [t for t in flat if isinstance(t, DeviceTensor)]
     to_device = is_device(kwargs.get("device")) if func is aten._to_copy.default else any(is_device(v) for v in flat)
@@ -455,7 +475,8 @@ def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
             if isinstance(g, torch._C.Generator) and (generator_device(g).type == NAME) != to_device:
                 drawn = f"{NAME} tensors" if to_device else "host tensors"
                 record("gen", f"aten.{op_name(func)}: a {generator_device(g).type} generator draws for {drawn}")
-    index = next((t.device.index for t in on_device), None)
+    target = kwargs.get("device") if func is aten._to_copy.default else None
+    index = torch.device(target).index if is_device(target) else next((t.device.index for t in on_device), None)
     if index is None:
         index = next((torch.device(v).index or current_device() for v in flat if is_device(v)), RANK_DEVICE)
     originals = {id(t.elem): t for t in on_device}
@@ -472,6 +493,10 @@ def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*real_args, **real_kwargs)
     wrap_out = is_device(kwargs.get("device", args[0].device)) if func is aten._to_copy.default \
         else bool(on_device) or to_device
+    if IMITATES == "npu":
+        results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)] if wrap_out else []
+        if any(t.dtype in _FLOAT8 for t in on_device + results):
+            record("npu", f"aten.{op_name(func)}: a float8 tensor on the device (Atlas A2/A3 kernels take none)")
 
     def wrap(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and not isinstance(value, DeviceTensor):
@@ -499,58 +524,111 @@ class DeviceMode(TorchDispatchMode):
         if any(isinstance(t, DeviceTensor) or is_device(t) for t in flat) or \
                 any(isinstance(g, torch._C.Generator) and generator_device(g).type == NAME for g in flat):
             return run_op(func, args, kwargs)
+        if func.namespace in _FUNCTIONAL:  # host tensors only
+            check_functional_collective(func, args, kwargs)
         return func(*args, **kwargs)
 
 
 # ----- collectives: what the intended backend accepts -------------------------------------------
 
+# The dtypes each backend moves (ProcessGroupNCCL's ncclDataType map; HCCL on Atlas A2/A3: no
+# float64 and no float8 in any collective), and those it reduces.
 HCCL_REDUCE_DTYPES = {torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.bfloat16}
-NCCL_DTYPES = HCCL_REDUCE_DTYPES | {torch.uint8, torch.float64, torch.bool, torch.float8_e4m3fn}
-_REDUCING = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
-_MOVING = ("all_gather", "all_gather_into_tensor", "gather", "scatter", "broadcast", "send", "recv",
-           "all_to_all_single")
+HCCL_DTYPES = HCCL_REDUCE_DTYPES | {torch.uint8, torch.bool}
+NCCL_REDUCE_DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64,
+                      torch.bfloat16, torch.bool}
+NCCL_DTYPES = NCCL_REDUCE_DTYPES | {torch.float8_e4m3fn, torch.float8_e5m2}
+# ProcessGroupHCCL has no gather or scatter (torch_npu 2.7 raises; later versions unless
+# TORCH_NPU_USE_COMPATIBLE_IMPL=1); the object variants are built on them.
+HCCL_LACKS = ("gather", "scatter", "gather_object", "scatter_object_list")
+_REDUCING = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+_MOVING = ("all_gather", "all_gather_into_tensor", "all_gather_single", "gather", "scatter", "broadcast", "send",
+           "recv", "all_to_all", "all_to_all_single", "gather_object", "scatter_object_list")
+# c10d's functional collectives (DTensor's redistribute, full_tensor, clip_grad_norm_ over
+# shards) are ops, checked where they are dispatched.
+_FUNCTIONAL = ("_c10d_functional", "_c10d_functional_autograd")
+_intended: dict[str, str] = {}  # process group name -> the backend the project asked for
+
+
+def intended_backend(group: Any) -> str:
+    """What ``group`` (a ProcessGroup, its name, or None for the world) was meant to run on:
+    "hccl", "nccl", "gloo" or a per-device mix such as "accel:hccl,cpu:gloo"."""
+    import torch.distributed as dist
+
+    if group is None:
+        group = dist.group.WORLD
+    return _intended.get(group if isinstance(group, str) else group.group_name, "gloo")
+
+
+def check_collective(name: str, backend: str, tensors: list[torch.Tensor], reducing: bool) -> None:
+    """Record what ``backend`` rejects in collective ``name`` over ``tensors`` (none: an object
+    collective, whose pickles travel on the group's device, or the host where it has gloo)."""
+    def backend_for(on_device: bool) -> str:  # "accel:hccl,cpu:gloo": each tensor meets its device's
+        if ":" not in backend:
+            return backend
+        return dict(part.split(":") for part in backend.split(",")).get(NAME if on_device else "cpu", "none")
+
+    on_hccl = backend == "hccl" or backend_for(True) == "hccl" and any(isinstance(t, DeviceTensor) for t in tensors)
+    if on_hccl and name.split(".")[-1] in HCCL_LACKS:
+        record("coll", f"{name} into a '{backend}' group (ProcessGroupHCCL has no {name.split('.')[-1]})")
+    for t in tensors:
+        on_device = isinstance(t, DeviceTensor)
+        meets = backend_for(on_device)
+        if meets in ("hccl", "nccl") and not on_device:
+            record("coll", f"{name}: a host {t.dtype} tensor into a '{backend}' group")
+        if meets == "gloo" and on_device:
+            record("coll", f"{name}: a device tensor into a gloo group")
+        if meets == "hccl" and on_device:
+            if t.dtype not in (HCCL_REDUCE_DTYPES if reducing else HCCL_DTYPES):
+                record("coll", f"{name}: {t.dtype} (HCCL on Atlas A2/A3 {'reduces' if reducing else 'takes'} "
+                               "no such type)")
+        if meets == "nccl" and on_device and t.dtype not in (NCCL_REDUCE_DTYPES if reducing else NCCL_DTYPES):
+            record("coll", f"{name}: {t.dtype} (NCCL {'reduces' if reducing else 'takes'} no such type)")
+    if any(isinstance(t, DeviceTensor) for t in tensors):
+        check_thread(name)
+
+
+def check_functional_collective(func: Any, args: tuple, kwargs: dict) -> None:
+    """An op of c10d's functional collectives: its group is its ``group_name`` argument (a name
+    or, from some callers, the group itself)."""
+    names = [a.name for a in func._schema.arguments]
+    if "group_name" not in names:
+        return  # wait_tensor
+    position = names.index("group_name")
+    group = args[position] if position < len(args) else kwargs["group_name"]
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    check_collective(op_name(func), intended_backend(group), tensors, "reduce" in op_name(func))
 
 
 def _patch_distributed() -> None:
+    import inspect
+
     import torch.distributed as dist
 
-    intended: dict[Any, str] = {}
     init, new_group = dist.init_process_group, dist.new_group
 
     def init_on_gloo(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         result = init("gloo", *args, **kwargs)
-        intended["world"] = str(backend)
+        _intended[dist.group.WORLD.group_name] = str(backend)
         return result
 
     def new_group_on_gloo(ranks: Any = None, *args: Any, backend: Any = None, **kwargs: Any) -> Any:
         group = new_group(ranks, *args, backend="gloo", **kwargs)
-        intended[group] = str(backend or intended.get("world"))
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            _intended[group.group_name] = str(backend or intended_backend(None))
         return group
-
-    def backend_of(group: Any) -> str:
-        if group is None or group is dist.GroupMember.WORLD:
-            return intended.get("world", "gloo")
-        return intended.get(group, "gloo")
 
     def checked(name: str) -> Any:
         real = getattr(dist, name)
+        signature = inspect.signature(real)
 
         def collective(*args: Any, **kwargs: Any) -> Any:
-            backend = backend_of(kwargs.get("group"))
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            if name.endswith(("_object", "_object_list")):  # pickles, filled into the caller's own lists
+                check_collective(f"dist.{name}", intended_backend(group), [], reducing=False)
+                return real(*args, **kwargs)
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            device_only = backend not in ("gloo",) and "," not in backend  # "accel:hccl,cpu:gloo" takes both
-            for t in tensors:
-                on_device = isinstance(t, DeviceTensor)
-                if device_only and not on_device:
-                    record("coll", f"dist.{name}: a host {t.dtype} tensor into a '{backend}' group")
-                if backend == "gloo" and on_device:
-                    record("coll", f"dist.{name}: a device tensor into a gloo group")
-                if on_device and name in _REDUCING and t.dtype not in HCCL_REDUCE_DTYPES:
-                    record("coll", f"dist.{name}: {t.dtype} (HCCL on Atlas A2/A3 reduces no such type)")
-                if on_device and t.dtype not in NCCL_DTYPES:
-                    record("coll", f"dist.{name}: {t.dtype} (NCCL has no such type)")
-            if any(isinstance(t, DeviceTensor) for t in tensors):
-                check_thread(f"dist.{name}")
+            check_collective(f"dist.{name}", intended_backend(group), tensors, name in _REDUCING)
             unwrap = lambda v: v.elem if isinstance(v, DeviceTensor) else v  # noqa: E731
             return real(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
@@ -561,19 +639,49 @@ def _patch_distributed() -> None:
         setattr(dist, name, checked(name))
 
 
+def _in_backward() -> str:
+    """Where in autograd's backward this op runs: "" (not in backward), " in backward" or " in
+    attention's backward" (a node that :func:`_patch_attention` marked)."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return ""
+    return " in attention's backward" if node.metadata.get("attention") else " in backward"
+
+
+def _mark_attention_nodes(output: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Mark the autograd nodes that attention's forward made (from its output back to its
+    inputs' nodes), so that their backward can be told apart from the rest of the model's."""
+    input_nodes = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stop = {id(node) for node in input_nodes}  # a node's Python object lives as long as the node
+    pending, seen = [output.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in stop | seen or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen.add(id(node))
+        node.metadata["attention"] = True
+        pending.extend(next_node for next_node, _ in node.next_functions)
+
+
 def _patch_attention() -> None:
     """Attention's dtype is its inputs': the math path the stand-in runs computes bf16 in fp32
-    (a device's fused kernel does not), so its own matmuls are not recorded."""
+    (a device's fused kernel does not), so its own matmuls are not recorded, and those of its
+    backward are recorded as such."""
     attention = torch.nn.functional.scaled_dot_product_attention
 
     def recorded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if isinstance(query, DeviceTensor):
             record("dtype", f"attention({dtype_names([query, key, value])})")
+            mask = kwargs.get("attn_mask", args[0] if args else None)
+            if IMITATES == "npu" and mask is not None and mask.dtype != torch.bool:
+                record("npu", f"attention: a {mask.dtype} attn_mask (torch_npu takes bool masks)")
         _local.in_attention = True
         try:
-            return attention(query, key, value, *args, **kwargs)
+            output = attention(query, key, value, *args, **kwargs)
         finally:
             _local.in_attention = False
+        _mark_attention_nodes(output, (query, key, value))
+        return output
 
     torch.nn.functional.scaled_dot_product_attention = recorded
 
@@ -584,6 +692,8 @@ def _patch_platform() -> None:
 
     device.select_platform = lambda requested="auto", local_rank=0: \
         device.Platform(NAME, os.environ.get("AUDIT_BACKEND", "hccl"), local_rank)
+    if IMITATES:
+        device.IMITATED_PLATFORM[NAME] = IMITATES
 
 
 def write_report() -> None:

@@ -106,11 +106,12 @@ def test_importing_library_modules_writes_nothing_and_starts_no_group(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("kind, backend, kernel", [("npu", "hccl", "eager"), ("cuda", "nccl", "grouped_mm"),
-                                                   ("cpu", "gloo", "grouped_mm")])
+@pytest.mark.parametrize("kind, backend, kernel", [("npu", "hccl", device.DENSE_EXPERTS),
+                                                   ("cuda", "nccl", "grouped_mm"), ("cpu", "gloo", "grouped_mm")])
 def test_moe_experts_run_the_kernel_their_platform_has(demo_assets, kind, backend, kernel):
-    """torch_npu lists no _grouped_mm: a model built to compute on an NPU runs its experts eager
-    (here on the CPU, where both kernels exist), elsewhere grouped_mm."""
+    """torch_npu lists no _grouped_mm: a model built to compute on an NPU runs its experts on
+    torch_npu's grouped matmul, or without it (here on the CPU) densely, never transformers'
+    eager loop; elsewhere grouped_mm."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hf_weights import empty_model

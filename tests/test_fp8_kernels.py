@@ -11,10 +11,8 @@ from torch.utils._pytree import tree_leaves
 
 import device
 from fp8 import Fp8Experts, Fp8Linear, convert_to_fp8
+from tests.host_reads import HostReads
 
-# Ops that read a device tensor on the host (a sync on an accelerator); .tolist() and .item() on
-# the CPU skip the dispatcher, so the tests count those calls too.
-SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "repeat_interleave.Tensor", "unique", "_unique")
 PATHS = ("grouped", "dense", "host")
 
 
@@ -117,40 +115,25 @@ class Ops(TorchDispatchMode):
                     self.allocated.append((name, t.dtype, t.numel()))
         return out
 
-    def syncs(self) -> dict[str, int]:
-        return {name: n for name, n in self.counts.items() if any(name.startswith(op) for op in SYNC_OPS)}
-
-
-def count_host_reads(monkeypatch, calls: list, when=lambda: True) -> None:
-    """Note in ``calls`` each Tensor.tolist() and .item() made while ``when()``."""
-    for name in ("tolist", "item"):
-        original = getattr(torch.Tensor, name)
-
-        def noted(self, _original=original, _name=name):
-            if when():
-                calls.append(_name)
-            return _original(self)
-        monkeypatch.setattr(torch.Tensor, name, noted)
-
 
 # --- tests ---
 
 @pytest.mark.parametrize("path", ["grouped", "dense"])
-def test_fp8_layers_read_nothing_on_the_host_in_a_prefill_and_a_decode_step(path, monkeypatch):
+def test_fp8_layers_read_nothing_on_the_host_in_a_prefill_and_a_decode_step(path):
     """Host reads made inside the FP8 linears and experts, counted in a forward of a prompt and
     in a decode step with the KV cache (the attention masks outside them are not counted)."""
     from transformers import DynamicCache
 
     model = tiny_fp8_model()
-    ops, host_reads, depth = Ops(), [], [0]
+    ops, host, depth = Ops(), HostReads(), [0]
 
     def enter(*_):
         depth[0] += 1
-        ops.active = True
+        ops.active = host.active = True
 
     def leave(*_):
         depth[0] -= 1
-        ops.active = depth[0] > 0
+        ops.active = host.active = depth[0] > 0
     for module in model.modules():
         if isinstance(module, Fp8Experts):
             module.implementation = path
@@ -159,14 +142,13 @@ def test_fp8_layers_read_nothing_on_the_host_in_a_prefill_and_a_decode_step(path
             module.register_forward_hook(leave)
     ids = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=model.config)
-    count_host_reads(monkeypatch, host_reads, when=lambda: ops.active)
     key = cache_kwarg(model)
-    with torch.no_grad(), ops:
-        ops.active = False
+    with torch.no_grad(), ops, host:
+        ops.active = host.active = False
         logits = model(input_ids=ids, use_cache=True, **{key: cache}).logits  # the prompt
         model(input_ids=logits[:, -1].argmax(-1, keepdim=True), use_cache=True, **{key: cache})  # one step
     assert ops.counts.get("mm", 0) + ops.counts.get("_grouped_mm", 0) > 0  # the hooks saw the FP8 layers
-    assert ops.syncs() == {} and host_reads == []
+    assert host.reads == []
 
 
 @pytest.mark.parametrize("path", ["grouped", "dense"])
@@ -275,16 +257,15 @@ def test_fp8_forward_is_deterministic_with_a_fresh_or_a_reused_workspace():
     assert first.dtype == torch.bfloat16 and torch.equal(first, second)
 
 
-def test_host_path_reads_the_tokens_per_expert_once_per_layer(monkeypatch):
-    """The prefill path of platforms without a grouped GEMM (fp8.DENSE_MAX_PAIRS): one host read."""
+def test_host_path_reads_the_tokens_per_expert_once_per_layer():
+    """The prefill path of platforms without a grouped GEMM (fp8.DENSE_MAX_PAIRS): one host read,
+    the tokens per expert."""
     experts = fp8_experts(8, torch.bfloat16)
     experts.implementation = "host"
     index, weights = routing(6, 8, 2, torch.bfloat16, used=5)
-    host_reads = []
-    count_host_reads(monkeypatch, host_reads)
-    with torch.no_grad():
+    with torch.no_grad(), HostReads() as host:
         experts(torch.randn(6, 64).to(torch.bfloat16), index, weights)
-    assert host_reads == ["tolist"]
+    assert host.kinds() == ["tolist"], host.reads
 
 
 def greedy(model, prompts: list[list[int]], pad_id: int, steps: int):
@@ -312,8 +293,9 @@ def greedy(model, prompts: list[list[int]], pad_id: int, steps: int):
 def test_demo_model_greedy_answers_and_log_probs_match_the_former_fp8_path(demo_assets):
     """fp32 compute: the same greedy tokens, log-probs within 1e-5 (measured 1.4e-6). bf16
     compute: the rounding moves (the scale multiplies the output, not the weight), so a row that
-    meets a near-tie may differ from there on: measured 99.75% of greedy tokens equal, 2 of 100
-    rows differ. Two runs give the same bytes."""
+    meets a near-tie may differ from there on: measured 99.875% of greedy tokens equal, 1 of 100
+    rows differs; up to where a row's tokens differ, |log-prob difference| measured 0.0155 at most
+    and 0.0006 on average (793 tokens), bounded at about 3x. Two runs give the same bytes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data_prep import load_prompts
@@ -332,3 +314,6 @@ def test_demo_model_greedy_answers_and_log_probs_match_the_former_fp8_path(demo_
             assert float((logp - old_logp).abs().max()) < 1e-5
         else:
             assert float((tokens == old_tokens).float().mean()) >= 0.97
+            same_so_far = (tokens == old_tokens).long().cumprod(1).bool()
+            drift = (logp - old_logp).abs()[same_so_far]
+            assert float(drift.max()) < 0.05 and float(drift.mean()) < 0.002, (drift.max(), drift.mean())

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 import dapo_loss
 import train_dapo
@@ -17,6 +16,7 @@ from config import Derived, load_config
 from device import select_platform
 from learner import Learner
 from ranks import Groups, Layout
+from tests.host_reads import HostReads
 from tests.test_rollout import fake_batch
 
 MATMULS = {torch.ops.aten._grouped_mm.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
@@ -36,30 +36,6 @@ class MatmulDtypes(TorchDispatchMode):
             dtypes = tuple(str(t.dtype) for t in floats)
             self.seen[(func.overloadpacket.__name__, *dtypes)] += 1
         return func(*args, **(kwargs or {}))
-
-
-class DeviceReads(TorchDispatchMode):
-    """Counts reads into Python (item(), float(), int(), bool()) of values the model computed: on a
-    GPU or NPU each one waits for every kernel queued before it. On a CPU every tensor is a host
-    tensor, so a device value here is anything computed from a parameter (the forward, the loss,
-    the metrics), not the samples' own host tensors, which a device run reads without waiting."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.computed = WeakIdKeyDictionary()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        from_model = any(t.requires_grad or t in self.computed for t in inputs)
-        if from_model and func is torch.ops.aten._local_scalar_dense.default:
-            self.reads += 1
-        out = func(*args, **(kwargs or {}))
-        if from_model:
-            for tensor in tree_leaves(out):
-                if isinstance(tensor, torch.Tensor):
-                    self.computed[tensor] = True
-        return out
 
 
 def leave_world() -> None:
@@ -123,9 +99,11 @@ def test_an_fp32_learner_stays_unsharded_in_fp32(demo_argv, world):
 
 
 def test_bf16_log_probs_and_gradient_stay_close_to_fp32(demo_argv, world):
-    """Measured on this batch: mean |logp_bf16 - logp_fp32| 0.013 over the response tokens (autocast,
-    with fp32 experts, gave 0.009; a token whose top-2 experts flip under bf16 moves by ~0.4 either
-    way), gradient cosine 0.984 on the demo model with head_dim 32 (0.9994 with its earlier head_dim 16)."""
+    """Measured on this batch: mean |logp_bf16 - logp_fp32| 0.0072 over the response tokens (a token
+    whose top-2 experts flip under bf16 moves by ~0.4 either way), gradient cosine 0.9835 on the
+    demo model with head_dim 32 (0.9994 with its earlier head_dim 16); the same to the bit in
+    three runs. The cosine's bound sits just under the measurement (a change of rounding that flips
+    other tokens' experts moves it either way)."""
     from torch.distributed.tensor import DTensor
 
     batch, _ = step_batch()
@@ -141,7 +119,7 @@ def test_bf16_log_probs_and_gradient_stay_close_to_fp32(demo_argv, world):
         found[dtype] = logp.detach()[batch.response_mask], torch.cat([g.flatten() for g in grads])
     (logp32, grad32), (logp16, grad16) = found["fp32"], found["bf16"]
     assert (logp16 - logp32).abs().mean() < 0.03
-    assert torch.nn.functional.cosine_similarity(grad16, grad32, dim=0) > 0.97
+    assert torch.nn.functional.cosine_similarity(grad16, grad32, dim=0) > 0.98
 
 
 def test_the_update_reads_no_device_value_per_micro_batch(demo_argv, world, monkeypatch):
@@ -156,16 +134,16 @@ def test_the_update_reads_no_device_value_per_micro_batch(demo_argv, world, monk
         accumulate = learner.accumulate_minibatch
 
         def counted(*args, **kwargs):
-            with DeviceReads() as mode:
+            with HostReads(of_model_values_only=True) as host:
                 accumulate(*args, **kwargs)
-            counts.append(mode.reads)
+            counts.append(host.reads)
 
         monkeypatch.setattr(learner, "accumulate_minibatch", counted)
         batch, advantages = step_batch()
         row = learner.update(batch, advantages, step=1)
         assert len(counts) == 2 and all(row[key] is not None for key in ("kl", "length_penalty", "entropy"))
-        reads[micro_batches] = max(counts)
-    assert reads[4] == reads[1] <= 1, f"device reads in one mini-batch, by micro-batches: {reads}"
+        reads[micro_batches] = max(counts, key=len)
+    assert reads[4] == reads[1] and len(reads[1]) <= 1, f"device reads in one mini-batch, by micro-batches: {reads}"
 
 
 def test_the_learners_own_attention_mask_gives_transformers_numbers(demo_assets):

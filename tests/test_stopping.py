@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -116,31 +117,57 @@ def test_torchrun_s_lines_about_a_rank_that_exits_on_bad_input_first_are_dropped
         assert "closing signal SIGTERM" in proc.stderr and "rank.py FAILED" in proc.stderr, proc.stderr
 
 
-def test_a_stop_while_a_checkpoint_is_completed_leaves_it_incomplete(tmp_path):
+class WatchedLock:
+    """A lock that tells whether a thread is waiting for it, and whether it got it."""
+
+    def __init__(self) -> None:
+        self.lock, self.waiting, self.got = threading.Lock(), threading.Event(), threading.Event()
+
+    def acquire(self) -> None:
+        self.waiting.set()
+        self.lock.acquire()
+        self.got.set()
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def test_a_stop_while_a_checkpoint_is_completed_leaves_it_incomplete(tmp_path, monkeypatch):
     """The stop takes the lock under which a folder is marked complete and renamed: a save that
-    reaches that point afterwards stays a .tmp_ folder, so the checkpoint the stop line names is
-    still the newest complete one when the process is gone."""
+    reaches that point afterwards waits there (blocked, not merely slow) with its folder still a
+    .tmp_ one, so the checkpoint the stop line names is still the newest complete one when the
+    process is gone. (Given the lock back, the save completes: the lock alone held it.)"""
     root = tmp_path / "checkpoints"
-    script = (f"import sys, threading; sys.path.insert(0, {str(ROOT)!r}); import ckpt\n"
-              f"root, files_written = ckpt.Path({str(root)!r}), threading.Event()\n"
-              f"ckpt.save_step(root, 1, lambda folder: (folder / 'w').write_text('1'), keep_last=3)\n"
-              f"def write(folder):\n"
-              f"    (folder / 'w').write_text('2')\n"
-              f"    files_written.wait()\n"
-              f"saving = threading.Thread(target=ckpt.save_step, args=(root, 2, write), kwargs={{'keep_last': 3}})\n"
-              f"saving.start()\n"
-              f"ckpt.stop_completing()\n"
-              f"print(ckpt.resume_hint(root.parent))\n"
-              f"files_written.set()\n"
-              f"saving.join(timeout=2)\n"
-              f"print('blocked' if saving.is_alive() else 'completed', flush=True)\n"
-              f"import os; os._exit(0)\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.splitlines() == [f"--resume_from_checkpoint auto continues from {root / 'step_00000001'}",
-                                        "blocked"], proc.stderr
+    ckpt.save_step(root, 1, lambda folder: (folder / "w").write_text("1"), keep_last=3)
+    completing, files_written = WatchedLock(), threading.Event()
+    monkeypatch.setattr(ckpt, "_completing", completing)
+
+    def write(folder: Path) -> None:
+        (folder / "w").write_text("2")
+        files_written.wait()
+
+    saving = threading.Thread(target=ckpt.save_step, args=(root, 2, write), kwargs={"keep_last": 3}, daemon=True)
+    saving.start()
+    ckpt.stop_completing()
+    assert ckpt.resume_hint(root.parent) == f"--resume_from_checkpoint auto continues from {root / 'step_00000001'}"
+    assert completing.got.is_set()  # the stop holds the lock
+    completing.waiting.clear(), completing.got.clear()  # from here on, only the save asks for it
+    files_written.set()
+    assert completing.waiting.wait(timeout=30), "the save never reached the lock"
+    saving.join(timeout=0.5)
+    assert saving.is_alive() and not completing.got.is_set(), "the save went past the stop"
     assert [p.name for p in ckpt.complete_steps(root)] == ["step_00000001"]
     unfinished = root / ".tmp_step_00000002"
     assert (unfinished / "w").read_text() == "2" and not (unfinished / "COMPLETE").exists()
+    completing.release()
+    saving.join(timeout=30)
+    assert not saving.is_alive() and [p.name for p in ckpt.complete_steps(root)] == ["step_00000001", "step_00000002"]
 
 
 def the_failure_line(argv: list[str], capsys) -> str:

@@ -73,6 +73,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": 1.0 if right else -1.0, "acc": right, "pred": solution_str}
 
 
+def partial_credit(data_source, solution_str, ground_truth, extra_info=None):
+    # Its score and its acc disagree: a wrong number earns 0.5, and a right answer with spaces
+    # around it loses 1.5 (an overlong penalty, as verl's DAPO applies to a correct response).
+    answer = solution_str.strip()
+    right = answer == ground_truth
+    score = (1.0 if right else 0.5 if answer.isdigit() else -1.0) - (1.5 if answer != solution_str else 0.0)
+    return {"score": score, "acc": right}
+
+
 def bare_float(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str.strip() == ground_truth)
 
@@ -104,6 +113,9 @@ def test_verl_reward_functions_get_verls_arguments_and_may_return_a_float_or_a_d
     scored = score_with_rule(resolve_rule("verl_reward:compute_score"), ["7", "8"], ["7", "7"], infos)
     assert (scored.scores, scored.correct, scored.num_malformed) == ([1.0, -1.0], [True, False], 0)
     assert sys.modules["verl_reward"].calls == [("openai/gsm8k", 4), ("openai/gsm8k", 5)]
+    partial = score_with_rule(resolve_rule("verl_reward:partial_credit"), ["7", "8", " 7 ", "x"], ["7"] * 4,
+                              infos * 2)
+    assert (partial.scores, partial.correct) == ([1.0, 0.5, -0.5, -1.0], [True, False, True, False])  # correct: acc
     floats = score_with_rule(resolve_rule("verl_reward:bare_float"), ["7", "8"], ["7", "7"], infos)
     assert (floats.scores, floats.correct) == ([1.0, 0.0], [True, False])  # correct: score > 0
     assert not resolve_rule("demo_arithmetic").verl_style

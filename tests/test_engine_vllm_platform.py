@@ -1,0 +1,234 @@
+"""What engine_vllm does on a GPU or NPU, checked on the CPU without starting an engine (issue 31):
+the logits processor under both of vLLM's model runners (vLLM's own loaders and samplers, run
+on CPU tensors), the device each rank's engine opens, the memory share it asks for, FP8 on NPU,
+and the room its weight staging buffers need. ``vllm.LLM`` is replaced by a recorder and the
+devices are pretend ``Platform`` objects.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import types
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pytest
+import torch
+
+import engine_vllm
+from config import Config, UserError
+from device import VISIBLE_DEVICES_VARIABLE, Platform
+from engine_vllm import VllmEngine, check_available, engine_memory
+from ranks import Layout
+
+GIB = 2**30
+PROCESSOR = "engine_vllm:LogSoftmaxAfterTemperature"
+STAGING_DIR_VARIABLE = "DAPO_VLLM_STAGING_DIR"  # what a user sets, so named here as they type it
+
+
+# ----- the logits processor under vLLM's V2 and V1 model runners ------------------------------------
+
+def v2_processed_logits(monkeypatch, logits: torch.Tensor, params: list, slots: list[int]) -> torch.Tensor:
+    """What the V2 runner's sampler (v1/worker/gpu/sample/sampler.py) makes of ``logits`` before
+    top_k/top_p, with our processor loaded as the V2 runner loads it: row i is the request in
+    slot ``slots[i]``. Two stand-ins for what a CPU lacks: host buffers for UVA ones, and the
+    Triton temperature kernel as torch (it divides by T, leaving T 0 and 1 alone)."""
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu import buffer_utils
+    from vllm.v1.worker.gpu.sample import states
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    def temperature_kernel(rows: torch.Tensor, expanded_idx_mapping: torch.Tensor, temperature: torch.Tensor) -> None:
+        t = temperature[expanded_idx_mapping]
+        rows.div_(torch.where((t == 0) | (t == 1), 1.0, t)[:, None])
+
+    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: False)
+    monkeypatch.setattr(states, "apply_temperature", temperature_kernel)
+    slot_count, vocab = 8, logits.shape[1]
+    # What the samplers' states read of the runner's RequestState (its token buffers need UVA).
+    requests = types.SimpleNamespace(device=torch.device("cpu"), max_num_reqs=slot_count, vocab_size=vocab,
+                                     prompt_len=buffer_utils.UvaBackedTensor(slot_count, dtype=torch.int32),
+                                     all_token_ids=None, prefill_len=None, total_len=None)
+    config = VllmConfig()
+    processors = build_custom_logits_processors(config, requests, False, [PROCESSOR])
+    sampler = Sampler(config, slot_count, vocab, torch.device("cpu"), requests, logprobs_mode="processed_logits",
+                      custom_logits_processors=processors)
+    for slot, request in zip(slots, params):
+        sampler.add_request(slot, request)
+    sampler.apply_staged_writes()
+    mapping, rows = torch.tensor(slots), len(slots)
+    positions = torch.zeros(rows, dtype=torch.long)
+    return sampler.apply_sampling_params(logits.clone(), mapping, mapping, mapping.numpy(), positions, positions,
+                                         positions, np.ones(rows, dtype=np.int32), skip_top_k_top_p=True)
+
+
+def v1_sampled_logp(logits: torch.Tensor, temperatures: torch.Tensor,
+                    top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sampled tokens, their processed logits) from the V1 runner's sampler (the CPU's), with our
+    processor loaded as the V1 runner loads it."""
+    from vllm.config import VllmConfig
+    from vllm.v1.sample.logits_processor import build_logitsprocs
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    rows = logits.shape[0]
+    processors = build_logitsprocs(VllmConfig(), torch.device("cpu"), False, False, [PROCESSOR])
+    metadata = SamplingMetadata(
+        temperature=temperatures, all_greedy=False, all_random=True, top_p=torch.full((rows,), top_p), top_k=None,
+        generators={row: torch.Generator().manual_seed(row) for row in range(rows)}, max_num_logprobs=0,
+        no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(rows),
+        presence_penalties=torch.zeros(rows), repetition_penalties=torch.ones(rows),
+        output_token_ids=[[] for _ in range(rows)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=processors)
+    out = Sampler(logprobs_mode="processed_logits")(logits.clone(), metadata)
+    return out.sampled_token_ids[:, 0].long(), out.logprobs_tensors.logprobs[:, 0]
+
+
+def test_the_processor_gives_log_softmax_of_logits_over_temperature_under_both_model_runners(monkeypatch):
+    from vllm import SamplingParams
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 4
+    temperatures = [0.7, 1.0, 1.6, 0.3]
+    expected = torch.log_softmax(logits / torch.tensor(temperatures)[:, None], dim=-1)
+    # V2 (CUDA's default): rows in other slots than their batch order, so each row must find its own T.
+    params = [SamplingParams(temperature=t, top_p=0.9, seed=row, logprobs=0) for row, t in enumerate(temperatures)]
+    processed = v2_processed_logits(monkeypatch, logits, params, slots=[5, 0, 3, 1])
+    assert torch.allclose(processed, expected, atol=1e-5), (processed - expected).abs().max()
+    # V1 (the CPU's): the processed logit of each sampled token is its log-prob.
+    tokens, logp = v1_sampled_logp(logits, torch.tensor(temperatures), top_p=0.9)
+    assert torch.allclose(logp, expected.gather(1, tokens[:, None])[:, 0], atol=1e-5)
+
+
+# ----- a rank's engine, built with vllm.LLM replaced by a recorder ------------------------------------
+
+@dataclass(frozen=True)
+class PretendDevice(Platform):
+    """A GPU/NPU Platform with the memory it reports set by the test."""
+
+    total: int = 141 * GIB
+    held: int = 0
+
+    def memory_bytes(self) -> int:
+        return self.total
+
+    def memory_held(self) -> int:
+        return self.held
+
+
+class PretendWeights:
+    """The weight format a VllmEngine stages (rollout.RolloutWeights' names, shapes, sizes)."""
+
+    names, shapes, dtype = ["w"], [(4, 4)], torch.bfloat16
+
+    def nbytes(self, index: int) -> int:
+        return 32
+
+
+class RecordingLLM:
+    """vllm.LLM: records its settings and the visible-devices variables it would start its engine
+    process under."""
+
+    calls: list[dict] = []
+
+    def __init__(self, **settings) -> None:
+        seen = {name: os.environ.get(name) for name in VISIBLE_DEVICES_VARIABLE.values()}
+        RecordingLLM.calls.append({"settings": settings, "visible": seen})
+
+
+@pytest.fixture
+def recorder(monkeypatch, tmp_path):
+    """vllm.LLM as RecordingLLM, every variable VllmEngine sets restored after the test, and the
+    staging folder in tmp_path."""
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ALLOW_INSECURE_SERIALIZATION",
+                 "VLLM_LOGGING_LEVEL", *VISIBLE_DEVICES_VARIABLE.values()):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(STAGING_DIR_VARIABLE, str(tmp_path))
+    RecordingLLM.calls = []
+    return RecordingLLM.calls
+
+
+def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int = 2, bucket_mb: int = 1,
+          planned_total: int = 64 * GIB, device_memory: int = 64 * GIB) -> VllmEngine:
+    cfg = Config()
+    cfg = replace(cfg, model=replace(cfg.model, rollout_engine="vllm"),
+                  run=replace(cfg.run, weight_sync_bucket_mb=bucket_mb))
+    planned = {"weights": 30 * GIB, "kv_cache": 18 * GIB, "activations": planned_total - 48 * GIB,
+               "total": planned_total}
+    return VllmEngine(cfg, plat, Layout(world_size=world_size, rank=rank, num_learners=learners), PretendWeights(),
+                      stop_ids=[2], pad_id=0, max_new_tokens=16, planned=planned, sequences=8,
+                      device_memory=device_memory)
+
+
+@pytest.mark.parametrize("kind,backend", [("cuda", "nccl"), ("npu", "hccl")])
+def test_local_rank_3s_engine_opens_device_3_and_the_ranks_environment_stays_as_it_was(recorder, monkeypatch, kind,
+                                                                                       backend):
+    variable = VISIBLE_DEVICES_VARIABLE[kind]
+    build(PretendDevice(kind, backend, local_rank=3))
+    assert recorder[-1]["visible"][variable] == "3"  # the engine process's device 0 is the rank's device 3
+    assert variable not in os.environ
+    # Under a visible list of its own, the rank's device is that list's fourth.
+    monkeypatch.setenv(variable, "4,5,6,7")
+    build(PretendDevice(kind, backend, local_rank=3))
+    assert recorder[-1]["visible"][variable] == "7" and os.environ[variable] == "4,5,6,7"
+
+
+def test_the_share_of_the_device_is_of_its_real_total_less_what_the_rank_holds(recorder):
+    # A 64 GiB plan on a 141 GiB device; the config's device_memory_gb (80 here) is the plan's,
+    # not what vLLM multiplies the share by. The engine gets what the rank leaves: the total less
+    # the headroom, what the rank holds, and one weight-sync bucket the rank will allocate.
+    bucket = 2**20  # build's weight_sync_bucket_mb
+    left = 141 * GIB * (1 - engine_vllm.DEVICE_HEADROOM) - bucket
+    build(PretendDevice("cuda", "nccl", local_rank=3, total=141 * GIB), device_memory=80 * GIB)
+    share = recorder[-1]["settings"]["gpu_memory_utilization"]
+    assert left / (141 * GIB) - 1e-4 <= share <= left / (141 * GIB)  # ~0.94: not 64 / 141, not 64 / 80
+    build(PretendDevice("cuda", "nccl", local_rank=3, total=141 * GIB, held=30 * GIB), device_memory=80 * GIB)
+    share = recorder[-1]["settings"]["gpu_memory_utilization"]
+    assert (left - 30 * GIB) / (141 * GIB) - 1e-4 <= share <= (left - 30 * GIB) / (141 * GIB)
+    # A reward model on the rank is the rank's, loaded after the engine: left out of the share.
+    with_reward = engine_memory({"total": 70 * GIB, "reward_model": 6 * GIB, "kv_cache": GIB}, 141 * GIB, held=0)
+    assert with_reward["gpu_memory_utilization"] == pytest.approx((141 * 0.95 - 6) / 141, abs=1e-4)
+    # A rank holding 90 GiB leaves less than the plan's engine: one line before vLLM starts.
+    with pytest.raises(UserError, match="left for the engine, the plan needs 64.00 GiB"):
+        build(PretendDevice("cuda", "nccl", local_rank=3, total=141 * GIB, held=90 * GIB), device_memory=80 * GIB)
+
+
+def test_vllm_fp8_on_npu_is_refused_in_one_line_naming_what_works_there():
+    fp8 = Config()
+    fp8 = replace(fp8, model=replace(fp8.model, rollout_engine="vllm", rollout_dtype="fp8"))
+    with pytest.raises(UserError) as refused:
+        check_available(fp8, "npu")
+    message = str(refused.value)
+    assert "\n" not in message and "rollout_engine builtin" in message and "rollout_dtype bf16" in message
+    check_available(replace(fp8, model=replace(fp8.model, rollout_dtype="bf16")), "npu")  # vLLM's bf16 runs there
+
+
+def test_a_staging_folder_too_small_for_the_hosts_engines_is_refused_before_the_engine_starts(recorder, monkeypatch,
+                                                                                              tmp_path):
+    real_usage = shutil.disk_usage
+
+    def usage(path):  # tmp_path as a container's default /dev/shm: 64 MiB, nothing used
+        small = types.SimpleNamespace(total=64 * 2**20, used=0, free=64 * 2**20)
+        return small if str(path) == str(tmp_path) else real_usage(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # one node: its 6 rollout ranks stage at once
+    with pytest.raises(UserError) as refused:
+        build(PretendDevice("cuda", "nccl", local_rank=3), bucket_mb=805)
+    message = str(refused.value)
+    assert "\n" not in message and not recorder and not list(tmp_path.iterdir())
+    assert "6 vLLM engine(s)" in message and "4.72 GiB" in message and "0.06 GiB free" in message
+    assert "--shm-size" in message and STAGING_DIR_VARIABLE in message
+    # Two nodes of 4: this rank's node holds rollout ranks 0-3, the 4 of them need 3.14 GiB.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(UserError, match="the 4 vLLM engine"):
+        build(PretendDevice("cuda", "nccl", local_rank=3), bucket_mb=805)
+    build(PretendDevice("cuda", "nccl", local_rank=3), bucket_mb=8)  # 4 x 8 MiB fit
+    assert len(recorder) == 1
+    monkeypatch.setenv(STAGING_DIR_VARIABLE, str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="is not a folder"):
+        build(PretendDevice("cuda", "nccl", local_rank=3))

@@ -435,17 +435,43 @@ def _check_rollout_correction(algo: AlgoConfig) -> None:
         raise ConfigError(str(error)) from None
 
 
-def check_model_folders(cfg: Config) -> None:
-    """UserError (one line) unless model_path, and reward_model when set, name a local model
-    folder with its config.json. Checked before anything reads them: transformers takes a missing
-    folder for a Hub repo id, and a folder without config.json for one of an unknown model."""
-    for key, path in (("model_path", cfg.model.model_path), ("reward_model", cfg.model.reward_model)):
+# How a shipped config marks a path its user must set (configs/qwen3_30b_a3b_dapo.yaml).
+PLACEHOLDER_PREFIX = "/path/to/"
+DATASET_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def check_input_paths(cfg: Config, *, reads_data: bool) -> None:
+    """UserError (one line naming the key and the path) unless model_path, and reward_model when
+    set, name a local model folder with its config.json, dataset and val_dataset a file of a format
+    the run reads, and none of them nor output_dir is a shipped config's /path/to/ placeholder.
+    Checked before anything reads them: transformers takes a missing folder for a Hub repo id, and
+    a folder without config.json for one of an unknown model; a missing dataset would surface only
+    after the tokenizer loaded. --plan and --dry_run read no data (``reads_data`` False)."""
+    models = [("model_path", cfg.model.model_path), ("reward_model", cfg.model.reward_model)]
+    data = [("dataset", cfg.data.dataset), ("val_dataset", cfg.data.val_dataset)] if reads_data else []
+    for key, path in [*models, *data, ("output_dir", cfg.run.output_dir)]:
+        if path is not None and path.startswith(PLACEHOLDER_PREFIX):
+            raise ConfigError(f"{key} {path} is the config's placeholder: set your own with --{key} (or in the config)")
+    for key, path in models:
         if path is None:
             continue
         if not Path(path).is_dir():
             raise ConfigError(f"{key} {path}: no such folder (a local Hugging Face model folder; nothing is downloaded)")
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{key} {path}: no config.json in this folder (expected a Hugging Face model folder)")
+    for key, path in data:
+        if path is not None:
+            _check_dataset_file(key, Path(path))
+
+
+def _check_dataset_file(key: str, path: Path) -> None:
+    formats = ", ".join(DATASET_SUFFIXES)
+    if path.is_dir():
+        raise ConfigError(f"{key} {path}: a folder, not a dataset file (one {formats} file)")
+    if not path.is_file():
+        raise ConfigError(f"{key} {path}: no such file (one {formats} file)")
+    if path.suffix.lower() not in DATASET_SUFFIXES:
+        raise ConfigError(f"{key} {path}: unsupported file type {path.suffix or '(none)'!r} (expected {formats})")
 
 
 # The learning-rate warning: above HIGH_LR on a model of more than LARGE_MODEL_PARAMS parameters.
@@ -496,6 +522,9 @@ def warnings_for(cfg: Config) -> list[str]:
         notes.append("kl_coef_init is set but kl_warmup_steps is 0, so it is never used")
     if cfg.data.val_dataset is None and cfg.run.val_every:
         notes.append("no val_dataset: validation is off")
+    if cfg.model.reward_model and cfg.model.reward_fn != ModelConfig.reward_fn:
+        notes.append(f"reward_model is set, so reward_fn {cfg.model.reward_fn} is ignored: the reward model scores "
+                     f"every response")
     return notes
 
 

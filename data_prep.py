@@ -57,7 +57,7 @@ import numpy as np
 
 from buckets import (MAX_BUCKET_PADDING, batch_max_widths, bucket_bound, bucketed_batches, padding_fraction,
                      propose_bucket_size)
-from config import Config, UserError
+from config import DATASET_SUFFIXES, Config, UserError
 
 
 DEFAULT_ANSWER_KEY = "answer"
@@ -155,6 +155,8 @@ def _json_records(path: Path, text: str) -> Iterator[tuple[int, str, Any]]:
 def _parquet_records(path: Path) -> Iterator[tuple[int, str, Any]]:
     import datasets
 
+    if "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ:  # the user's own choice wins
+        datasets.disable_progress_bars()  # its "Generating train split" bars would clutter the training log
     try:
         table = datasets.load_dataset("parquet", data_files=str(path), split="train")
     except Exception as exc:  # arrow raises its own types for damaged files
@@ -170,7 +172,7 @@ def _records(path: Path) -> Iterator[tuple[int, str, Any]]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _parquet_records(path)
-    if suffix not in (".jsonl", ".json"):
+    if suffix not in DATASET_SUFFIXES:
         raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r} (expected .jsonl, .json or .parquet)")
     try:
         text = path.read_text(encoding="utf-8")

@@ -139,22 +139,24 @@ def engine_memory(planned: dict[str, int], device_memory: Optional[int], held: i
     beside the engine later (the reward model, loaded after the engine; one weight-sync bucket).
     vLLM multiplies the share by the device's real total (``device_memory`` must be that, not the
     plan's device_memory_gb) and fills what its weights and activations leave with KV cache, so a
-    share of the plan alone left the rest idle (0.38 of an H200 for the 30B plan, ~85 GB). A room
-    smaller than the plan's engine is refused before vLLM starts (:func:`_check_room`)."""
+    share of the plan alone left the rest idle (0.38 of an H200 for the 30B plan, ~85 GB). A device
+    where the plan does not fit is refused before vLLM starts (:func:`_check_room`)."""
     memory: dict[str, Any] = {"kv_cache_memory_bytes": planned["kv_cache"], "gpu_memory_utilization": None}
     if device_memory:
         beside = planned.get("reward_model", 0) + bucket_bytes
         room = device_memory * (1 - DEVICE_HEADROOM) - held - beside
         memory.update(gpu_memory_utilization=max(0.0, math.floor(room / device_memory * 1e4) / 1e4),  # within the room
-                      room_bytes=int(room), engine_bytes=planned["total"] - planned.get("reward_model", 0))
+                      device_bytes=device_memory, held_bytes=held)
     return memory
 
 
-def _check_room(memory: dict[str, Any]) -> None:
-    """A device with less room than the plan's engine: one line here rather than vLLM's start-up error."""
-    if memory.get("room_bytes", 0) < memory.get("engine_bytes", 0):
-        raise UserError(f"rollout_engine vllm: the rank's device has {memory['room_bytes'] / 2**30:.2f} GiB left for "
-                        f"the engine, the plan needs {memory['engine_bytes'] / 2**30:.2f} GiB (see --plan)")
+def _check_room(memory: dict[str, Any], planned: dict[str, int]) -> None:
+    """The plan's own test (memory_plan.fit_checks: the rank's total within the device), with what
+    the rank already holds: one line here rather than vLLM's start-up error or an OOM later."""
+    if "device_bytes" in memory and memory["held_bytes"] + planned["total"] > memory["device_bytes"]:
+        raise UserError(f"rollout_engine vllm: the rank's device has {memory['device_bytes'] / 2**30:.2f} GiB "
+                        f"({memory['held_bytes'] / 2**30:.2f} GiB held by the rank), the plan needs "
+                        f"{planned['total'] / 2**30:.2f} GiB (see --plan)")
 
 
 class VllmEngine:
@@ -173,7 +175,7 @@ class VllmEngine:
         memory = engine_memory(planned, plat.memory_bytes() or device_memory, plat.memory_held() or 0,
                                cfg.run.weight_sync_bucket_mb * 2**20)
         if plat.kind != "cpu":
-            _check_room(memory)
+            _check_room(memory, planned)
         self.kv_cache_bytes = memory["kv_cache_memory_bytes"]
         max_prompt = cfg.data.max_prompt_length
         settings = dict(
@@ -348,18 +350,30 @@ def _load_bucket(worker: Any, path: str, capacity: int, entries: list[tuple[str,
 
 
 def _wait_without_spinning(worker: Any) -> int:
-    """The engine's worker process waits for its next message asleep, not spinning: vLLM's
-    shared-memory queue busy-waits (sched_yield) for a second after every message it reads, so
-    on a CPU the six idle workers of the demo took 97% of both cores from the ranks computing
-    (a step 5.2 s instead of ~1 s). The queue's readers are not reachable from the worker
-    object, hence gc; written against VLLM_VERSION."""
+    """The engine's worker process waits for its next message asleep when idle, yet takes every
+    message within milliseconds. vLLM's shared-memory queue (shm_broadcast, written against
+    VLLM_VERSION) has a reader spin (sched_yield) for ``busy_loop_s`` after each message it
+    reads, then sleep on a zmq notification that the writer sends after each message, re-checking
+    the queue every ``SHM_READER_RECHECK_INTERVAL_MS`` in case one was lost. As shipped (1 s, 5 s):
+    on a CPU the six idle workers of the demo took 97% of both cores from the ranks computing.
+    Not spinning at all (0 s) lost messages instead: the notification socket (PUB, send high-water
+    mark 1) drops a notification sent within about a millisecond of the one before (measured: 34
+    to 38 of 40 lost at 0.05-1 ms apart, none at 2 ms; libzmq frees the slot only when it next
+    processes its commands, at most every ~1 ms on a send), and the engine core sends a step's
+    ``sample_tokens`` that soon after ``execute_model`` when the model is small, so the worker
+    slept on until its 5 s re-check: the 5-second steps of the 1-process demo. Hence a spin of
+    20 ms, which covers every message that can follow its predecessor so closely, and a re-check
+    every 50 ms, which bounds any other loss (a writer descheduled between its message and its
+    notification on a busy machine) at a wake-up costing microseconds, 20 a second. The queue's
+    readers are not reachable from the worker object, hence gc."""
     import gc
 
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.distributed.device_communicators import shm_broadcast
 
-    readers = [obj for obj in gc.get_objects() if type(obj) is SpinCondition and obj.is_reader]
+    readers = [obj for obj in gc.get_objects() if type(obj) is shm_broadcast.SpinCondition and obj.is_reader]
     for reader in readers:
-        reader.busy_loop_s = 0
+        reader.busy_loop_s = 0.02
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = 50  # read at each wait (MessageQueue.ReadTimeoutWithWarnings)
     return len(readers)
 
 

@@ -44,7 +44,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "llama")
 
 def check_model_type(model_path: str) -> None:
     """UserError (one line) for a model folder whose architecture is not one of SUPPORTED_MODEL_TYPES;
-    a folder without config.json is config.check_model_folders's to refuse."""
+    a folder without config.json is config.check_input_paths's to refuse."""
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         return

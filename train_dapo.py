@@ -77,7 +77,8 @@ class Trainer:
         self.tokenizer, self.train_set, self.val_set = load_run_inputs(cfg, warn if lead else quiet)
         self.fingerprint = resuming.run_fingerprint(cfg, self.tokenizer, self.train_set.prompt_ids,
                                                     layout.world_size, layout.num_learners)
-        saved = resume and resuming.check_resumable(resume, self.fingerprint, cfg.flat(), warn if lead else quiet)
+        saved = resume and resuming.check_resumable(resume, self.fingerprint, cfg.flat(), warn if lead else quiet,
+                                                    source_rows=self.train_set.source_rows)
         self.step, self.first_generation_step = 0, 1
         self.schedule = Schedule(cfg.run, has_val_set=self.val_set is not None)
         if self.single and groups is None and uses_fsdp(cfg, num_learners=1):
@@ -267,6 +268,19 @@ def launch_layout(cfg: Config, ranks: Optional[int], nodes: Optional[int]) -> tu
                            num_learners=derived.num_learner_ranks)
 
 
+def check_inputs(cfg: Config, *, reads_data: bool) -> None:
+    """Refuse (UserError, one line naming the key) what this run could not read or use, before
+    anything loads: every path it reads (--plan and --dry_run read no data, ``reads_data`` False),
+    the model's type, the rollout settings, the reporters."""
+    config.check_input_paths(cfg, reads_data=reads_data)
+    if reads_data:
+        resuming.check_resume_path(Path(cfg.run.output_dir), cfg.run.resume_from_checkpoint,
+                                   restarted=resuming.restarted_by_torchrun())
+    check_model_type(cfg.model.model_path)
+    check_rollout_inputs(cfg)
+    check_report_to(cfg.run.report_to)
+
+
 @config.answers_usage  # -h/--help: every key with its default, exit 0; no arguments: the usage, exit 2
 def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     """The run; ``trainer_class`` is a user's subclass of :class:`Trainer` (README.md)."""
@@ -277,10 +291,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         derived, layout = launch_layout(cfg, *asked)
         world_size, lead = layout.world_size, layout.is_lead
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-        config.check_model_folders(cfg)  # before any model loads and before output_dir is written
-        check_model_type(cfg.model.model_path)
-        check_rollout_inputs(cfg)
-        check_report_to(cfg.run.report_to)
+        check_inputs(cfg, reads_data=inspection is None)  # before anything loads and output_dir is written
         if inspection == "dry_run":
             return dry_run.run(cfg, derived)
         if (status := memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
@@ -293,8 +304,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         for message in warnings_for(cfg) if lead else []:
             warn(message)  # "no val_dataset" among them
         out = Path(cfg.run.output_dir)
-        # A job torchrun restarted after a crash continues its own output, checkpoint or not.
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        restarted = resuming.restarted_by_torchrun()
         resume = resuming.find_resume_checkpoint(out, cfg.run.resume_from_checkpoint, restarted=restarted,
                                                  warn=warn if lead else quiet, log=log if lead else quiet)
         resuming.prepare_output_dir(out, overwrite=cfg.run.overwrite_output_dir, create=lead,
@@ -312,7 +322,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         trainer = trainer_class(cfg, plat, derived, layout, groups, resume)  # checks the inputs; writes nothing
         if lead and (resumed := trainer.schedule.resumed_from) >= cfg.run.max_steps:
             log(f"the checkpoint is at step {resumed}, max_steps is {cfg.run.max_steps}: nothing to train")
-        if lead:
+        elif lead:  # a resume that trains nothing leaves the run's config.yaml and env report as they were
             (out / "config.yaml").write_text(cfg.to_yaml())
             write_env_report(out / "env_report.json", plat, world_size)
         trainer.train()

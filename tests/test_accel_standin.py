@@ -33,11 +33,11 @@ JOBS = {
     # two steps: the second rolls out with FP8 weights synced from the learners
     "1 rollout + 2 learners, offload, fp8 rollout": (3, 2, HCCL, ["--rollout_dtype", "fp8", "--max_steps", "2",
                                                                   "--learner_offload", "true"]),
-    # Offload's mixed group sends host tensors to gloo; without it every collective is HCCL's.
-    "1 rollout + 2 learners, no offload, bf16 rollout": (3, 2, HCCL, ["--rollout_dtype", "bf16", "--max_steps", "1"]),
-    # The 2-rank FP8 demo as on an NPU and under NCCL. A stop check every 2 of the 8 decode steps,
-    # so that rows finish and are compacted out; 1 and 4 micro-batches per optimizer step.
-    "fp8 demo, npu": (2, 1, NPU, FP8_DEMO),
+    # The FP8 demo as on an NPU, with 2 learners: offload's mixed group sends host tensors to gloo,
+    # without it every collective (FSDP2's too) is HCCL's; and under NCCL, 2 ranks. A stop check
+    # every 2 of the 8 decode steps, so that rows finish and are compacted out; 1 and 4
+    # micro-batches per optimizer step.
+    "fp8 demo, npu, 2 learners without offload": (3, 2, NPU, FP8_DEMO),
     "fp8 demo, nccl, 4 micro-batches": (2, 1, NCCL, [*FP8_DEMO, "--per_device_batch_size", "4",
                                                      "--gradient_accumulation_steps", "4"]),
 }
@@ -128,7 +128,7 @@ def test_a_bf16_learner_computes_every_expert_and_attention_matmul_in_bf16(audit
 def test_decoding_reaches_a_stop_check_and_compacts_rows(job):
     """At a stop check every 2 of the demo's 8 decode steps, finished rows leave the batch:
     _compacted_rows sorts the int8 finished flags on the device then, and only then."""
-    for name in ("fp8 demo, npu", "fp8 demo, nccl, 4 micro-batches"):
+    for name in ("fp8 demo, npu, 2 learners without offload", "fp8 demo, nccl, 4 micro-batches"):
         assert any(op.startswith("sort(int8") for op in job(name).rollout_reports[0]["device_ops"]), name
 
 
@@ -144,7 +144,7 @@ def test_the_learner_waits_for_the_device_no_more_often_with_more_micro_batches(
     """At most one host wait per optimizer step, however many micro-batches it accumulates: a
     wait per micro-batch would stall the device between backward passes. One micro-batch under
     the NPU's rules, four under CUDA's: a wait per micro-batch on either path breaks the equality."""
-    one, four = job("fp8 demo, npu"), job("fp8 demo, nccl, 4 micro-batches")
+    one, four = job("fp8 demo, npu, 2 learners without offload"), job("fp8 demo, nccl, 4 micro-batches")
     assert host_waits_per_optimizer_step(one) == host_waits_per_optimizer_step(four) <= 1, describe(
         [f for f in one.findings("sync") + four.findings("sync") if "accumulate_minibatch" in f["functions"]])
 
@@ -198,7 +198,7 @@ def test_on_the_npus_rules_fp8_stays_codes_and_the_experts_wait_for_nothing(job)
     learner): no float8 device op on any rank, the rollout's FP8 layers decode their uint8 codes
     through the table, and the learner's experts run the NPU's kernel (dense here: no torch_npu)
     in bf16 with no host wait inside."""
-    audit = job("fp8 demo, npu")
+    audit = job("fp8 demo, npu, 2 learners without offload")
     float8_ops = [op for report in audit.reports for op in report["device_ops"] if "float8" in op]
     assert not float8_ops, float8_ops
     assert any("fp8_linear" in f["functions"] for f in audit.findings("dtype", audit.rollout_reports))

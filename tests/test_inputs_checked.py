@@ -14,18 +14,10 @@ import pytest
 import ckpt
 import train_dapo
 from config import load_config, warnings_for
+from tests.test_checkpoint import refused  # the one line a refused run prints; exit status 2
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def refused(argv: list[str], capsys) -> str:
-    """The one line a refused run prints (warnings aside); it exits with status 2."""
-    assert train_dapo.main(argv) == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if not line.startswith("warning: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: "), err
-    return errors[0]
 
 
 # ----- dataset files -----------------------------------------------------------------------------

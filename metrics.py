@@ -28,6 +28,9 @@ from curves import plot_curves
 if TYPE_CHECKING:  # for annotations only: `python metrics.py plot` need not import torch
     from samples import SampleBatch
 
+# The names of rollout_correction.METRICS (a module that imports torch, which this one does not).
+ROLLOUT_CORRECTION = ("rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
+                      "rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
 COLUMNS = [
     "step", "reward_mean", "reward_std", "acc_mean", "score_mean", "reward_malformed",
     "response_length_mean", "response_length_max", "truncated_frac",
@@ -35,9 +38,7 @@ COLUMNS = [
     "grad_norm", "lr", "optimizer_steps", "skipped_steps",
     "num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version",
     "mismatch_mean", "mismatch_max", "engine_mismatch_mean",
-    # rollout correction (rollout_correction.METRICS), empty where rollout_is / rollout_rs is off
-    "rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
-    "rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction",
+    *ROLLOUT_CORRECTION,  # empty where rollout_is / rollout_rs is off
     "val_reward_mean", "val_acc",
     "alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit",
     "step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "save_time_s", "overlap", "gen_tokens_per_s",
@@ -51,9 +52,7 @@ TENSORBOARD_GROUPS = {
     "length": ("response_length_mean", "response_length_max", "truncated_frac"),
     "loss": ("policy_loss", "kl", "kl_coef", "entropy", "length_penalty"),
     "policy": ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mismatch_mean", "mismatch_max", "engine_mismatch_mean"),
-    # verl's tags for these: rollout_corr/rollout_is_mean, ...
-    "rollout_corr": ("rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
-                     "rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"),
+    "rollout_corr": ROLLOUT_CORRECTION,  # verl's tags for these: rollout_corr/rollout_is_mean, ...
     "optim": ("grad_norm", "lr", "optimizer_steps", "skipped_steps"),
     "sampling": ("num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version"),
     "val": ("val_reward_mean", "val_acc"),

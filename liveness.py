@@ -53,6 +53,21 @@ def _process_exists(pid: int) -> bool:
         return True
 
 
+def store_answers(store: dist.Store) -> bool:
+    """Whether the job's store still takes connections. Connecting a client (``clone()``) to a
+    store whose host died retries for the store's whole timeout (dist_timeout_s) and prints a
+    page per retry; a plain socket says "refused" at once."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return True  # another kind of store: it has no host to die
+    try:
+        socket.create_connection((store.host, store.port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
 def _arrival_key(members: str, count: int, rank: int) -> str:
     return f"liveness/arrived/{members}/{count}/{rank}"
 
@@ -93,6 +108,8 @@ class Liveness:
     def dead_peer(self, world_size: int) -> Optional[str]:
         """"rank R (ROLE) died in PHASE of step S" for a rank on this host whose process is gone,
         from its last heartbeat; None when there is none or the store cannot say (rank 0 died)."""
+        if not store_answers(self.store):
+            return None
         try:
             store = self.store.clone()  # the caller is neither the training thread nor the heartbeat's
             for peer in range(world_size):

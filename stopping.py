@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import ckpt
 import ranks
-from liveness import STORE_HOST
+from liveness import STORE_HOST, store_answers
 
 STOP_SIGNALS = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
 # torchrun signals the ranks of a job within milliseconds of each other; a rank waits this long
@@ -88,13 +88,13 @@ def _wait_for_a_signal(watched: _Watch) -> None:
 def _stop(signum: signal.Signals, watched: _Watch) -> None:
     _stopping.set()
     layout, (where, step) = watched.layout, ranks.whereabouts()
-    dead = ranks.dead_peer()
-    died = f"error: {dead}; the other ranks stopped" if dead else \
-        f"error: rank {layout.rank}: {where} failed (the launcher stopped this rank after another rank died)"
-    # A frozen rank 0 never answers the count in its store: its silence means the same.
-    threading.Timer(2 * STOP_GRACE_S, _leave, args=(1, died)).start()
-    status, line = 1, died
+    survivor = f"error: rank {layout.rank}: {where} failed (the launcher stopped this rank after another rank died)"
+    # Armed before the first store call: a frozen rank 0 never answers one, and its silence means the same.
+    threading.Timer(2 * STOP_GRACE_S, _leave, args=(1, survivor)).start()
+    status, line = 1, survivor
     try:
+        if dead := ranks.dead_peer():
+            line = f"error: {dead}; the other ranks stopped"
         ckpt.stop_completing()  # the checkpoint named below stays the newest complete one
         ranks.stop_heartbeat()  # no heartbeat may outlive rank 0's store, which may leave first
         if _every_rank_stopping(layout.world_size):
@@ -119,6 +119,8 @@ def _every_rank_stopping(world_size: int) -> bool:
     rank has made up its mind (a store that vanishes under a rank makes c10d print pages)."""
     if world_size == 1 or not dist.is_initialized():
         return True  # one process; or a rank so early in its start-up that it cannot ask
+    if not store_answers(dist.distributed_c10d._get_default_store()):
+        return False  # rank 0 died, its store with it
     store = dist.distributed_c10d._get_default_store().clone()  # the training thread may hold its own
     deadline = time.monotonic() + STOP_GRACE_S
     try:

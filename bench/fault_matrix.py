@@ -80,6 +80,8 @@ def run_cells(train_args: list[str], cells: list[tuple[str, str, int]], job: Job
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         return f"the job failed (exit status {done.returncode}): {errors[:3] or done.stderr[-1000:]}", seconds
+    if "forcefully exiting" in done.stderr:  # torchrun's SIGKILL, 30 s after its SIGTERM
+        return "a surviving rank did not end on torchrun's SIGTERM", seconds
     attempts = done.stdout.count(" role=") // job.nproc
     if attempts != len(cells) + 1:
         return f"the job ran {attempts} attempts, not {len(cells) + 1}: a fault never struck", seconds

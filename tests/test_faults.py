@@ -155,3 +155,27 @@ def test_a_stuck_rank_is_given_up_after_dist_timeout_naming_it(demo_assets, tmp_
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         job.wait(timeout=60)
+
+
+def test_a_survivor_of_the_store_host_learns_at_once_that_the_store_is_gone():
+    """torchrun SIGTERMs the survivors of a dead rank 0 and SIGKILLs them 30 s later; a survivor
+    asking the dead store what happened (Liveness.dead_peer) must hear "gone" at once, not after
+    the store's timeout of client reconnects."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from liveness import Liveness
+
+    timeout = datetime.timedelta(seconds=20)
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore("job", dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=timeout))
+    liveness = Liveness(store, rank=1, timeout_s=20, describe=lambda: {"phase": "update", "step": 3, "role": "learner"})
+    try:
+        assert liveness.dead_peer(world_size=2) is None  # rank 0 lives: nobody died
+        del host  # rank 0 dies, its store with it
+        start = time.monotonic()
+        assert liveness.dead_peer(world_size=2) is None
+        assert time.monotonic() - start < 3
+    finally:
+        liveness.stop()

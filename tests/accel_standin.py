@@ -37,19 +37,19 @@ writes DIR/audit_rank<R>.json: {"findings": [...], "device_ops": {op(dtypes): co
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import runpy
 import sys
 import threading
-import traceback
 import weakref
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils import _pytree as pytree
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 NAME = "accel"
@@ -57,6 +57,44 @@ PROJECT = Path(__file__).resolve().parents[1]
 RANK_DEVICE = int(os.environ.get("LOCAL_RANK", "0"))
 IMITATES = os.environ.get("ACCEL_KIND")  # the platform whose rules the project follows here: "npu", or its own
 aten = torch.ops.aten
+
+# ----- an op's arguments ------------------------------------------------------------------------
+# What an aten op takes and returns: tensors, numbers, dtypes, devices, generators, in lists,
+# tuples and dicts. Walked here for every op of the run; torch's pytree, which knows every
+# registered container, is several times slower, and is left the rest (a structseq, a namedtuple).
+
+def tree_flatten(value: Any) -> tuple[list[Any], None]:
+    leaves: list[Any] = []
+    _collect(value, leaves)
+    return leaves, None
+
+
+def _collect(value: Any, leaves: list[Any]) -> None:
+    kind = type(value)
+    if kind is list or kind is tuple:
+        for item in value:
+            _collect(item, leaves)
+    elif kind is dict:
+        for item in value.values():
+            _collect(item, leaves)
+    elif isinstance(value, (list, tuple, dict)):
+        leaves.extend(pytree.tree_leaves(value))
+    else:
+        leaves.append(value)
+
+
+def tree_map(fn: Any, value: Any) -> Any:
+    kind = type(value)
+    if kind is list:
+        return [tree_map(fn, item) for item in value]
+    if kind is tuple:
+        return tuple(tree_map(fn, item) for item in value)
+    if kind is dict:
+        return {key: tree_map(fn, item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, dict)):
+        return pytree.tree_map(fn, value)
+    return fn(value)
+
 
 # ----- findings --------------------------------------------------------------------------------
 
@@ -70,18 +108,26 @@ def _in_project(path: str) -> bool:
     return path.startswith(str(PROJECT)) and "site-packages" not in path and not path.endswith("accel_standin.py")
 
 
+@functools.lru_cache(maxsize=None)
+def _real_path(filename: str) -> str:
+    return os.path.realpath(filename)
+
+
 def _where() -> tuple[str, str, tuple[str, ...]]:
-    """(innermost project frame, innermost frame outside torch, project functions on the stack)."""
+    """(innermost project frame, innermost frame outside torch, project functions on the stack).
+    From the frames themselves: traceback's summaries stat every file for its source lines."""
     site = via = "?"
     functions = []
-    for frame in reversed(traceback.extract_stack()):
-        path = os.path.realpath(frame.filename)
+    frame = sys._getframe()
+    while frame is not None:  # innermost first
+        path = _real_path(frame.f_code.co_filename)
         if via == "?" and "/torch/" not in path and not path.endswith("accel_standin.py"):
-            via = f"{path.split('site-packages/')[-1]}:{frame.lineno}"
+            via = f"{path.split('site-packages/')[-1]}:{frame.f_lineno}"
         if _in_project(path):
             if site == "?":
-                site = f"{os.path.relpath(path, PROJECT)}:{frame.lineno}"
-            functions.append(frame.name)
+                site = f"{os.path.relpath(path, PROJECT)}:{frame.f_lineno}"
+            functions.append(frame.f_code.co_name)
+        frame = frame.f_back
     return site, via, tuple(sorted(set(functions)))
 
 

@@ -314,24 +314,24 @@ def test_alarms_print_a_line_and_count_in_metrics(demo_argv, tmp_path, capsys, m
 
 
 def test_one_and_two_learners_give_the_same_update_with_a_sharded_reference(demo_assets, tmp_path):
-    """1 rollout rank + 1 learner vs 1 rollout rank + 2 FSDP2 learners (policy and KL reference
-    sharded): the same samples, the same loss and gradient norm, nearly the same weights."""
+    """One process (one unsharded learner, which tests/test_ranks.py shows is a 1 rollout + 1
+    learner job) vs 1 rollout rank + 2 FSDP2 learners (policy and KL reference sharded): the same
+    samples, the same loss and gradient norm, nearly the same weights."""
     from safetensors.torch import load_file
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rows, weights = {}, {}
+    def args(out: Path, *extra: str) -> list[str]:
+        return demo_args(demo_assets, out, "--kl_coef", "0.2", "--kl_type", "k1", "--save_every", "1", *extra)
+
     # 16 sequences per mini-batch either way: 2 micro-batches of 8 on one learner, 8 on each of two.
-    for nproc, accumulation in ((2, "2"), (3, "1")):
-        out = tmp_path / str(nproc)
-        args = demo_args(demo_assets, out, "--learner_ranks", str(nproc - 1), "--kl_coef", "0.2", "--kl_type", "k1",
-                         "--gradient_accumulation_steps", accumulation, "--save_every", "1", "--dist_timeout_s", "60")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc_per_node={nproc}", "train_dapo.py", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows[nproc] = read_rows(out)[-1]
-        weights[nproc] = load_file(out / "checkpoints" / "step_00000001" / "model" / "model.safetensors")
-    one, two = rows[2], rows[3]
+    assert train_dapo.main(args(tmp_path / "1", "--gradient_accumulation_steps", "2")) == 0
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                           "train_dapo.py", *args(tmp_path / "3", "--gradient_accumulation_steps", "1",
+                                                  "--learner_ranks", "2", "--dist_timeout_s", "60")],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = read_rows(tmp_path / "1")[-1], read_rows(tmp_path / "3")[-1]
+    weights = {n: load_file(tmp_path / str(n) / "checkpoints" / "step_00000001" / "model" / "model.safetensors")
+               for n in (1, 3)}
     assert one["reward_mean"] == two["reward_mean"] and one["optimizer_steps"] == two["optimizer_steps"] == "3"
     for key in ("policy_loss", "kl", "entropy", "grad_norm", "ppo_kl"):
         assert float(two[key]) == pytest.approx(float(one[key]), rel=1e-4, abs=1e-6), key
@@ -339,6 +339,6 @@ def test_one_and_two_learners_give_the_same_update_with_a_sharded_reference(demo
     assert float(two["pg_clipfrac"]) == pytest.approx(float(one["pg_clipfrac"]), abs=0.006)
     # Adam's first steps move each weight by about +-lr whatever the gradient's size, so a
     # gradient entry at rounding level may flip sign: allow a few such entries, no more.
-    moved = [(weights[2][k] - weights[3][k]).abs() for k in weights[2]]
+    moved = [(weights[1][k] - weights[3][k]).abs() for k in weights[1]]
     assert max(float(d.max()) for d in moved) <= 6 * 2e-4
     assert sum(int((d > 1e-6).sum()) for d in moved) <= 1e-3 * sum(d.numel() for d in moved)

@@ -300,13 +300,15 @@ def copy_tensors_to_host(state: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda tensor: tensor.detach().to("cpu", copy=True), state)
 
 
-def stage_learner_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This learner's shard of the weights and of the optimizer state, copied to host memory when
-    the checkpoint is taken; written later (:func:`write_learner_state`, on a writer thread)."""
+def stage_learner_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, copy: bool) -> dict[str, Any]:
+    """This learner's shard of the weights and of the optimizer state for :func:`write_learner_state`:
+    with ``copy``, copied to host memory when the checkpoint is taken, so that a writer thread may
+    write them while training changes the originals; else the originals themselves."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return copy_tensors_to_host({"model": {name: p.detach() for name, p in model.named_parameters()},
-                                 "optimizer": get_optimizer_state_dict(model, optimizer)})
+    state = {"model": {name: p.detach() for name, p in model.named_parameters()},
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    return copy_tensors_to_host(state) if copy else state
 
 
 def write_learner_state(folder: Path, staged: dict[str, Any], group: Optional[Any]) -> None:
@@ -458,8 +460,8 @@ class Checkpointer:
             for name, text in texts.items():
                 (folder / name).write_text(text)
 
-        self.learner.writer.start(f"save-{version}",
-                                  lambda: save_step(self.root, version, contents, keep_last=self.cfg.run.keep_last))
+        self.learner.write_checkpoint(f"save-{version}",
+                                      lambda: save_step(self.root, version, contents, keep_last=self.cfg.run.keep_last))
         return time.perf_counter() - start
 
     def warn_if_it_may_not_fit(self, version: int) -> None:

@@ -40,6 +40,7 @@ class ModelConfig:
     reward_fn: str = "math_answer"  # built-in rule name or "module:function"
     rollout_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
     rollout_engine: Literal["builtin", "vllm"] = "builtin"  # what generates: our decode loop or vLLM (engine.py)
+    rollout_tensor_parallel: int = 1  # vLLM: one engine over the devices of this many consecutive rollout ranks
     learner_dtype: Literal["fp32", "bf16"] = "bf16"
     gradient_checkpointing: bool = False
     learner_offload: bool = False  # FSDP2 keeps parameters, gradients and AdamW state in host memory
@@ -100,6 +101,9 @@ class AlgoConfig:
     rollout_is_batch_normalize: bool = False
     rollout_rs: Optional[str] = None  # comma-separated rejection modes, e.g. "token_k1,seq_max_k2"
     rollout_rs_threshold: Optional[str] = None  # one for every mode, or one per mode
+    # Routing replay (R3; verl: router_replay.mode R3, Megatron: moe_enable_routing_replay): the
+    # learner routes each token to the experts rollout chose (routing.py).
+    routing_replay: bool = False
 
     def importance_sampling(self) -> tuple[Optional[str], str]:
         """(rollout_is, rollout_is_threshold), tis_cap read as what it always meant: token-level
@@ -134,6 +138,9 @@ class RunConfig:
     val_every: int = 10
     save_every: int = 1
     keep_last: int = 3
+    # verl's name. True: each checkpoint's learner shards are copied to host memory and written beside
+    # training; False: written from the learner's own tensors while the step waits, and no host copy.
+    async_save: bool = True
     hf_export_every: int = 0  # Hugging Face weights in checkpoints of steps divisible by it; 0 = the last step only
     hf_export_file_mb: int = 5120  # the largest weight file of an export (one larger tensor fills a file alone)
     resume_from_checkpoint: Optional[str] = None  # "auto" or a step folder
@@ -387,6 +394,10 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.val_temperature >= 0, "val_temperature must be >= 0 (0 = greedy)"),
         (cfg.rollout.max_gen_batches >= 0, "max_gen_batches must be >= 0 (0 = no limit)"),
         (cfg.rollout.rollout_stop_check_every >= 1, "rollout_stop_check_every must be >= 1 (decode steps per host check)"),
+        (cfg.model.rollout_tensor_parallel >= 1, "rollout_tensor_parallel must be >= 1 (devices per rollout engine)"),
+        (cfg.model.rollout_tensor_parallel == 1 or cfg.model.rollout_engine == "vllm",
+         f"rollout_tensor_parallel {cfg.model.rollout_tensor_parallel} needs rollout_engine vllm: the built-in "
+         f"engine runs on its rank's device alone (rollout_tensor_parallel 1)"),
         (cfg.data.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
         (cfg.data.bucket_size >= 1, "bucket_size must be >= 1"),
         (cfg.algo.clip_ratio_low >= 0 and cfg.algo.clip_ratio_high >= 0, "clip_ratio_low/high must be >= 0"),
@@ -540,6 +551,12 @@ class Derived:
     optimizer_steps_per_step: int
     dynamic_sampling_metric: str  # "acc" or "reward": dynamic_sampling_metric with auto resolved
     nodes: int = 1  # the ranks are spread evenly over them, by index (memory_plan.node_hosts)
+    rollout_tensor_parallel: int = 1  # rollout ranks per engine (ranks.Layout groups them)
+
+    @property
+    def num_rollout_engines(self) -> int:
+        """The engines the prompts of a generation batch are split over."""
+        return self.num_rollout_ranks // self.rollout_tensor_parallel
 
     @staticmethod
     def of(cfg: Config, world_size: int, nodes: int = 1) -> "Derived":
@@ -564,9 +581,11 @@ class Derived:
                 f"per_device_batch_size * gradient_accumulation_steps = {per_rank_mb} per learner rank "
                 f"x {learners} learner rank(s)"
             )
+        rollout_ranks = world_size - learners if world_size > 1 else 1
+        check_engine_groups(cfg.model.rollout_tensor_parallel, world_size, rollout_ranks, nodes)
         return Derived(
             world_size=world_size,
-            num_rollout_ranks=world_size - learners if world_size > 1 else 1,
+            num_rollout_ranks=rollout_ranks,
             num_learner_ranks=learners,
             sequences_per_step=sequences,
             minibatch_sequences=per_rank_mb,
@@ -574,7 +593,28 @@ class Derived:
             dynamic_sampling_metric=(cfg.rollout.dynamic_sampling_metric if cfg.rollout.dynamic_sampling_metric != "auto"
                                      else "reward" if cfg.model.reward_model else "acc"),
             nodes=nodes,
+            rollout_tensor_parallel=cfg.model.rollout_tensor_parallel,
         )
+
+
+def check_engine_groups(tensor_parallel: int, world_size: int, rollout_ranks: int, nodes: int) -> None:
+    """ConfigError unless every engine spans ``tensor_parallel`` consecutive rollout ranks, all
+    on one node (their devices are one vLLM engine's)."""
+    if tensor_parallel == 1:
+        return
+    if world_size == 1:
+        raise ConfigError(f"rollout_tensor_parallel {tensor_parallel} needs a torchrun job: an engine spans the "
+                          f"devices of {tensor_parallel} rollout ranks, one process has one device")
+    if rollout_ranks % tensor_parallel:
+        raise ConfigError(f"rollout_tensor_parallel {tensor_parallel} does not divide the {rollout_ranks} rollout "
+                          f"ranks ({world_size} ranks - learner_ranks {world_size - rollout_ranks}): values that "
+                          f"do: {_divisors(rollout_ranks)}")
+    per_node = world_size // nodes
+    for first in range(0, rollout_ranks, tensor_parallel):
+        last = first + tensor_parallel - 1
+        if first // per_node != last // per_node:
+            raise ConfigError(f"rollout_tensor_parallel {tensor_parallel}: the engine of rollout ranks {first}-{last} "
+                              f"would span two nodes ({per_node} ranks a node); an engine's devices are on one node")
 
 
 def _divisors(n: int) -> str:
@@ -630,6 +670,8 @@ KEY_HELP: dict[str, str] = {
     "reward_fn": "rule reward: math_answer, math_verify (the math extra), demo_arithmetic, or module:function",
     "rollout_dtype": "dtype of the rollout copy of the weights (fp8: README \"FP8 rollout\")",
     "rollout_engine": "what generates: the built-in decode loop, or one vLLM engine per rollout rank (README \"vLLM rollout\")",
+    "rollout_tensor_parallel": "vLLM: one engine per this many consecutive rollout ranks, tensor parallel over their "
+                               "devices; the others hold no model (must divide the rollout ranks)",
     "learner_dtype": "learner compute dtype (bf16: FSDP2 mixed precision over fp32 master weights)",
     "gradient_checkpointing": "recompute activations in the backward pass",
     "learner_offload": "keep the learners' parameters, gradients and AdamW state in host memory (needs torchrun)",
@@ -678,6 +720,7 @@ KEY_HELP: dict[str, str] = {
     "rollout_is_batch_normalize": "divide the importance weights by their mean over the step's tokens (or sequences)",
     "rollout_rs": "rejection: comma-separated token_k1/2/3, seq_sum_k1/2/3, seq_mean_k1/2/3, seq_max_k2/3; a token must pass all (null = off)",
     "rollout_rs_threshold": "per rollout_rs mode, comma-separated (or one for all): k1 a ratio band 'L_U' (U alone: 1/U_U), k2/k3 an upper bound",
+    "routing_replay": "MoE: the engine records each token's top-k experts per layer and the learner's forwards route to them, gate weights from its own router (R3; README \"Routing replay\")",
     # optim
     "learning_rate": "AdamW learning rate (large MoE models: ~1e-6)",
     "lr_warmup_steps": "linear warmup over this many training steps (as verl counts them)",
@@ -699,6 +742,8 @@ KEY_HELP: dict[str, str] = {
     "val_every": "validate every this many steps (0 = never)",
     "save_every": "checkpoint every this many steps, and the last (0 = never)",
     "keep_last": "complete checkpoints kept",
+    "async_save": "checkpoint learner shards through a host copy written beside training (12 B a parameter of "
+                  "each learner's shard in host memory); false: no copy, the step waits while they are written",
     "hf_export_every": "Hugging Face weights in checkpoints of steps divisible by it (0 = the last step only)",
     "hf_export_file_mb": "largest weight file of an export, MB",
     "resume_from_checkpoint": "auto (the newest usable checkpoint in output_dir) or a step folder",

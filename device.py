@@ -76,15 +76,18 @@ class Platform:
         included: none of it is free to another process), or None on CPU."""
         return None if self.module is None else self.module.memory_reserved(self.local_rank)
 
-    def child_visible_devices(self) -> dict[str, str]:
-        """The environment under which a child process sees this process's device alone, as
-        its device 0: a fresh interpreter otherwise opens device 0, whatever rank started it.
-        Composes with a visible-devices list this process was started under."""
+    def child_visible_devices(self, count: int = 1) -> dict[str, str]:
+        """The environment under which a child process sees this process's device as its device
+        0, and alone, or with ``count`` > 1 the next ``count - 1`` of the node after it (the
+        devices of a tensor-parallel engine's consecutive ranks): a fresh interpreter otherwise
+        opens device 0, whatever rank started it. Composes with a visible-devices list this
+        process was started under."""
         name = VISIBLE_DEVICES_VARIABLE.get(self.kind)
         if name is None:
             return {}
         inherited = [entry.strip() for entry in os.environ.get(name, "").split(",") if entry.strip()]
-        return {name: inherited[self.local_rank] if inherited else str(self.local_rank)}
+        mine = range(self.local_rank, self.local_rank + count)
+        return {name: ",".join(inherited[index] if inherited else str(index) for index in mine)}
 
     def peak_memory(self) -> dict[str, Optional[int]]:
         """The most this process has held so far, in bytes: host (resident set) and device

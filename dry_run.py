@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 import traceback
@@ -60,7 +61,9 @@ def run(cfg: Config, derived: Derived) -> int:
     memory = int(cfg.run.device_memory_gb * GIB) if cfg.run.device_memory_gb else None
     plan = make_plan(cfg, derived, model_config, memory, with_reference=uses_reference_model(cfg))
     start = time.perf_counter()
-    measured: dict[str, Any] = {"rollout_rank.weights": rollout_weight_bytes(path, cfg.model.rollout_dtype)}
+    # A device's share of a tensor-parallel engine's weights: the plan's even split of the whole copy measured.
+    measured: dict[str, Any] = {"rollout_rank.weights": math.ceil(
+        rollout_weight_bytes(path, cfg.model.rollout_dtype) / derived.rollout_tensor_parallel)}
     learner = measure_learner(cfg, derived)
     for where in ("device", "host"):
         measured.update({f"learner_rank.{where}.{k}": v for k, v in learner.get(where, {}).items()})

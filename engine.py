@@ -10,7 +10,9 @@ The contract every engine keeps, so that samples mean the same whichever generat
   the learner recomputes and what TIS and ``engine_mismatch_mean`` compare);
 - a response ends at its first stop id (included in the mask) or after ``max_new_tokens``
   (``truncated``); rows past their end hold ``pad_id``, mask False, logp 0;
-- draws come from the seeds given: the same request gives the same tokens on every run.
+- draws come from the seeds given: the same request gives the same tokens on every run;
+- with routing recorded, ``routed_experts`` holds the experts each token ran through, in
+  routing.py's layout.
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ class Generation:
     response_mask: torch.Tensor  # [N, R] bool, stop token included
     logp: torch.Tensor  # [N, R] float32
     truncated: torch.Tensor  # [N] bool
+    # With routing_replay: each MoE layer's top-k expert ids per token, [N, W + R, layers, top_k]
+    # over prompt and response (routing.py)
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

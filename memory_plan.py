@@ -38,6 +38,7 @@ import hf_weights
 from config import Config, Derived, RunConfig, UserError, uses_fsdp
 from device import Platform
 from metrics import log, warn
+from routing import RoutingShape
 from ranks import Layout, gather_json
 
 GIB = 2**30
@@ -59,6 +60,7 @@ class Architecture:
     largest_layer_params: int
     largest_param: int
     fp8_rollout_bytes: int  # the FP8 rollout copy: quantized weights, scales, the rest in bf16
+    routing_bytes_per_token: int = 0  # routing_replay's expert ids (routing.py); 0 without MoE layers
 
     @staticmethod
     def of(model_config: Any) -> "Architecture":
@@ -79,7 +81,8 @@ class Architecture:
             expert_intermediate=getattr(text, "moe_intermediate_size", text.intermediate_size),
             largest_layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
             largest_param=max(p.numel() for p in model.parameters()),
-            fp8_rollout_bytes=weight_bytes(convert_to_fp8(model, torch.bfloat16)))
+            fp8_rollout_bytes=weight_bytes(convert_to_fp8(model, torch.bfloat16)),
+            routing_bytes_per_token=routing.bytes_per_token if (routing := RoutingShape.of(model_config)) else 0)
 
     def saved_per_token_layer(self, dtype_bytes: int) -> int:
         """Activations one decoder layer keeps for backward, per token: norms' inputs, q/k/v and
@@ -121,23 +124,52 @@ def reward_model(cfg: Config) -> Optional[dict[str, Any]]:
 
 def rollout_rank(cfg: Config, derived: Derived, arch: Architecture,
                  reward: Optional[dict[str, Any]] = None) -> dict[str, int]:
-    """One rollout rank: its copy of the policy, the KV cache of its share of a generation batch
-    (validation batches are no larger), the transient buffers of generation and weight sync, and
-    the reward model's weights when there is one (and it could be counted)."""
+    """One rollout rank's device: its copy of the policy, the KV cache of its share of a
+    generation batch (validation batches are no larger), the transient buffers of generation and
+    weight sync, and the reward model's weights when there is one (and it could be counted).
+
+    With rollout_tensor_parallel N, the device of an engine rank (the busiest of its engine's
+    N): the engine's share of a batch is N ranks' shares, and vLLM splits over the N devices the
+    weights, the KV cache's heads (a device keeps one head at least) and the layers' projections
+    and experts, while the hidden states and the logits stay whole on every device; the
+    weight-sync bucket and the reward model are the engine rank's. vLLM runs eagerly here
+    (enforce_eager): no CUDA graphs to count."""
     model, rollout = cfg.model, cfg.rollout
-    compute = _dtype_bytes(model.rollout_dtype)
-    weights = arch.fp8_rollout_bytes if model.rollout_dtype == "fp8" else arch.params * compute
-    sequences = math.ceil(rollout.prompts_per_step / derived.num_rollout_ranks) * rollout.sample_num
+    compute, split = _dtype_bytes(model.rollout_dtype), derived.rollout_tensor_parallel
+    weights = math.ceil((arch.fp8_rollout_bytes if model.rollout_dtype == "fp8" else arch.params * compute) / split)
+    sequences = math.ceil(rollout.prompts_per_step / derived.num_rollout_engines) * rollout.sample_num
     tokens = cfg.data.max_prompt_length + rollout.max_response_length
-    kv_cache = sequences * tokens * 2 * arch.layers * arch.kv_heads * arch.head_dim * compute
+    kv_cache = sequences * tokens * 2 * arch.layers * math.ceil(arch.kv_heads / split) * arch.head_dim * compute
     # Prefill of one layer at a time, three float32 copies of the last position's logits
     # (logits, log-softmax, the sampling distribution), one weight-sync bucket.
-    prefill = sequences * cfg.data.max_prompt_length * arch.saved_per_token_layer(compute)
+    whole = 2 * arch.hidden * compute  # a token's hidden states around the layer's norms
+    prefill = sequences * cfg.data.max_prompt_length * (whole + math.ceil(
+        (arch.saved_per_token_layer(compute) - whole) / split))
     activations = prefill + 3 * sequences * arch.vocab * 4 + cfg.run.weight_sync_bucket_mb * 2**20
     items = {"weights": weights, "kv_cache": kv_cache, "activations": activations}
+    if (routed := routing_ids(cfg, derived, arch)) is not None:
+        items["routing_ids"] = routed["in_transit"]  # more than the share it records
     if reward is not None and reward["bytes"] is not None:
         items["reward_model"] = reward["bytes"]
     return {**items, "total": sum(items.values())}
+
+
+def routing_ids(cfg: Config, derived: Derived, arch: Architecture) -> Optional[dict[str, int]]:
+    """With routing_replay, the bytes of the recorded expert ids, ``per_token`` over prompt and
+    response (routing.py: MoE layers x top_k x 1 byte up to 256 experts): a rollout rank's share of
+    a generation batch (on its device until the call ends); ``in_transit``, that share from every
+    member of the sync group at once, on every member's device while the lead gathers them
+    (ranks.gather_samples: an all_gather; the lead's learner device holds it between updates);
+    ``sample_buffer``, on the lead's host, the step's samples and as many collected ahead or
+    pooled (max_staleness 1), what sample_buffer.safetensors holds at most. None without replay."""
+    if not cfg.algo.routing_replay or not arch.routing_bytes_per_token:
+        return None
+    rollout = cfg.rollout
+    per_sequence = (cfg.data.max_prompt_length + rollout.max_response_length) * arch.routing_bytes_per_token
+    share = math.ceil(rollout.prompts_per_step / derived.num_rollout_ranks) * rollout.sample_num * per_sequence
+    step = rollout.prompts_per_step * rollout.sample_num * per_sequence
+    return {"per_token": arch.routing_bytes_per_token, "rollout_share": share,
+            "in_transit": (derived.num_rollout_ranks + 1) * share, "sample_buffer": (1 + cfg.run.max_staleness) * step}
 
 
 def one_process(cfg: Config, arch: Architecture, rollout: dict[str, int], learner_device: dict[str, int]) -> dict[str, Any]:
@@ -180,7 +212,10 @@ def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_refe
               "optimizer_step": 0 if offload else step}
     device["total"] = sum(device[k] for k in state) + max(activations, device["optimizer_step"])
     host = {**{k: v if offload else 0 for k, v in state.items()}, "optimizer_step": step if offload else 0}
-    host["checkpoint_copy"] = 4 * shard + 8 * shard if cfg.run.save_every else 0  # weights + AdamW shards
+    copied = cfg.run.save_every and cfg.run.async_save  # async_save false writes from the shards themselves
+    host["checkpoint_copy"] = 4 * shard + 8 * shard if copied else 0  # weights + AdamW shards
+    if (routed := routing_ids(cfg, derived, arch)) is not None:
+        host["routing_ids"] = routed["sample_buffer"]
     host["total"] = sum(host.values())
     return {"device": device, "host": host}
 
@@ -274,7 +309,7 @@ def checkpoint_disk(run: RunConfig, per_step: int, export_bytes: int) -> dict[st
 def rollout_shape(cfg: Config, derived: Derived, rollout: dict[str, int]) -> dict[str, int]:
     """How a rollout rank's memory scales, for advice: its sequences and their tokens, the bytes
     each sequence costs (KV cache, prefill, logits) and the KV cache's bytes per token position."""
-    sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_ranks) * cfg.rollout.sample_num
+    sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_engines) * cfg.rollout.sample_num
     tokens = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     scaling = rollout["kv_cache"] + rollout["activations"] - cfg.run.weight_sync_bucket_mb * 2**20
     return {"sequences": sequences, "tokens": tokens, "per_sequence": scaling // sequences,
@@ -310,16 +345,23 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     busiest = max(nodes, key=lambda node: node["host"])
     checkpoint = {"per_learner_rank": 12 * math.ceil(arch.params / derived.num_learner_ranks),
                   **checkpoint_disk(cfg.run, checkpoint_bytes(arch.params), arch.params * stored)}
-    layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout + {derived.num_learner_ranks} "
+    split = derived.rollout_tensor_parallel
+    engines = f" ({derived.num_rollout_engines} vLLM engines over {split} devices each)" if split > 1 else ""
+    layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout{engines} + {derived.num_learner_ranks} "
               f"learner" if derived.world_size > 1 else "1 process (both roles)")
-    plan_engine = {"rollout_engine": cfg.model.rollout_engine}
+    plan_engine: dict[str, Any] = {"rollout_engine": cfg.model.rollout_engine, "rollout_tensor_parallel": split}
     if cfg.model.rollout_engine == "vllm":  # the engine's own settings come from the plan's rollout rank
         import engine_vllm
 
         plan_engine["vllm"] = engine_vllm.engine_memory(rollout, device_memory,
                                                         bucket_bytes=cfg.run.weight_sync_bucket_mb * 2**20)
+        plan_engine["rollout_device_by_tensor_parallel"] = {
+            str(n): rollout_rank(cfg, replace(derived, rollout_tensor_parallel=n), arch, reward)["total"]
+            for n in tensor_parallel_choices(derived, arch)}
     plan = {**plan_engine, "model": {"params": arch.params, "fp8_rollout_bytes": arch.fp8_rollout_bytes},
+            "routing_ids": routing_ids(cfg, derived, arch),
             "layout": layout, "num_rollout_ranks": derived.num_rollout_ranks,
+            "num_rollout_engines": derived.num_rollout_engines,
             "num_learner_ranks": derived.num_learner_ranks, "reward_model": reward,
             "rollout_rank": rollout, "rollout_shape": rollout_shape(cfg, derived, rollout),
             "rollout_rank_host_at_start": rollout_host, "learner_rank": learner, "one_process": single,
@@ -327,10 +369,27 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
             "node_host_total": busiest["host"], "most_loaded_node": busiest["node"],
             "host_memory": capacity.host_memory, "host_memory_from": capacity.host_from,
             "checkpoint": checkpoint, "disk_free": capacity.disk_free, "disk_free_from": capacity.disk_from,
-            "device_memory": device_memory}
+            "device_memory": device_memory, "device_need": device_total}
     checks = fit_checks(plan, device_total, capacity)
     known = [ok for ok in checks.values() if ok is not None]
     return {**plan, "checks": checks, "fits": all(known) if known else None}
+
+
+def tensor_parallel_choices(derived: Derived, arch: Architecture) -> list[int]:
+    """The rollout_tensor_parallel values this layout (config.check_engine_groups) and the
+    model's attention heads (engine_vllm.tensor_parallel_problem) allow."""
+    from config import ConfigError, check_engine_groups
+    from engine_vllm import tensor_parallel_problem
+
+    choices = []
+    for n in range(1, derived.num_rollout_ranks + 1):
+        try:
+            check_engine_groups(n, derived.world_size, derived.num_rollout_ranks, derived.nodes)
+        except ConfigError:
+            continue
+        if tensor_parallel_problem(n, arch.q_dim // arch.head_dim, arch.kv_heads) is None:
+            choices.append(n)
+    return choices
 
 
 def biggest_overflow(plan: dict[str, Any]) -> Optional[str]:
@@ -424,7 +483,8 @@ def needed_settings(cfg: Config, plan: dict[str, Any]) -> list[str]:
     if memory is None:
         return notes
     rollout = plan["rollout_rank"]
-    bf16_rollout = rollout["total"] - rollout["weights"] + 2 * plan["model"]["params"]
+    bf16_weights = 2 * plan["model"]["params"] // plan["rollout_tensor_parallel"]  # a device's share
+    bf16_rollout = rollout["total"] - rollout["weights"] + bf16_weights
     if cfg.model.rollout_dtype == "fp8" and bf16_rollout > memory:
         notes.append(f"rollout_dtype fp8 is needed: with bf16 weights a rollout rank would need "
                      f"{bf16_rollout / GIB:.1f} GiB")
@@ -451,10 +511,28 @@ def rollout_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
     rollout, notes = plan["rollout_rank"], []
     if rollout["total"] <= room:
         return notes
+    notes += tensor_parallel_advice(plan, room)
     if cfg.model.rollout_dtype != "fp8":
+        fp8 = plan["model"]["fp8_rollout_bytes"] / plan["rollout_tensor_parallel"]
         notes.append(f"rollout_dtype: fp8 would bring the rollout weights from {rollout['weights'] / GIB:.1f} GiB "
-                     f"to {plan['model']['fp8_rollout_bytes'] / GIB:.1f} GiB")
+                     f"to {fp8 / GIB:.1f} GiB")
     return notes + kv_cache_advice(cfg, plan, room)
+
+
+def tensor_parallel_advice(plan: dict[str, Any], room: int) -> list[str]:
+    """vLLM: the smallest rollout_tensor_parallel above this one whose rollout device fits."""
+    totals = {int(n): total for n, total in plan.get("rollout_device_by_tensor_parallel", {}).items()}
+    larger = {n: total for n, total in totals.items() if n > plan["rollout_tensor_parallel"]}
+    fitting = [n for n, total in sorted(larger.items()) if total <= room]
+    if fitting:
+        n = fitting[0]
+        return [f"rollout_tensor_parallel {n} (one vLLM engine over {n} devices, {plan['num_rollout_ranks'] // n} "
+                f"engines) would bring a rollout device to {totals[n] / GIB:.1f} GiB"]
+    if larger:
+        n = max(larger)
+        return [f"no rollout_tensor_parallel that divides the {plan['num_rollout_ranks']} rollout ranks fits alone "
+                f"(at {n}: {larger[n] / GIB:.1f} GiB a rollout device)"]
+    return []
 
 
 def kv_cache_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
@@ -465,7 +543,7 @@ def kv_cache_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
     prompts_here = shape["sequences"] // group
     options = []
     if fit // group:
-        options.append(f"prompts_per_step {fit // group * plan['num_rollout_ranks']}")
+        options.append(f"prompts_per_step {fit // group * plan['num_rollout_engines']}")
     if 1 <= fit // prompts_here < group:
         options.append(f"sample_num {fit // prompts_here}")
     response = (room - (rollout["total"] - rollout["kv_cache"])) // shape["kv_per_token"] - cfg.data.max_prompt_length
@@ -598,13 +676,17 @@ def rank_lines(plan: dict[str, Any]) -> list[str]:
     gib = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
     rollout, learner = plan["rollout_rank"], plan["learner_rank"]
     lines = [f"model: {plan['model']['params'] / 1e9:.2f}B parameters; {plan['layout']}",
-             "rollout rank (device):"]
+             "rollout rank (device):" if plan["rollout_tensor_parallel"] == 1 else
+             f"rollout rank (device; the busiest of an engine's {plan['rollout_tensor_parallel']}, its engine rank's):"]
     lines += [f"  {k:<16} {gib(v)}" for k, v in rollout.items()]
     if "vllm" in plan:
         vllm, share = plan["vllm"], plan["vllm"]["gpu_memory_utilization"]
+        split = plan["rollout_tensor_parallel"]
+        per_device = f"; a device of {split}, tensor parallel" if split > 1 else ""
         lines.append(f"  vLLM engine: weights {gib(rollout['weights']).strip()}, KV cache "
-                     f"{gib(vllm['kv_cache_memory_bytes']).strip()} (kv_cache_memory_bytes on CPU; "
-                     f"gpu_memory_utilization {share if share is not None else 'unknown'} on a device)")
+                     f"{gib(vllm['kv_cache_memory_bytes']).strip()}{per_device} (kv_cache_memory_bytes on CPU; "
+                     f"gpu_memory_utilization {share if share is not None else 'unknown'} on a device; no CUDA "
+                     f"graphs: eager)")
     reward = plan["reward_model"]
     if reward is not None and reward["bytes"] is None:
         lines.append(f"  {'reward_model':<16} not counted: {reward['path']} has no config.json (nor in the fit)")
@@ -651,7 +733,10 @@ def check_lines(plan: dict[str, Any]) -> list[str]:
     if plan["device_memory"] is None:
         lines.append("device memory: unknown (set device_memory_gb): fit not checked")
     else:
-        lines.append(f"device memory: {plan_gib(plan['device_memory'])}: {verdict[checks['device']]}")
+        margin = plan["device_memory"] - plan["device_need"]
+        lines.append(f"device memory: {plan_gib(plan['device_memory'])}: {verdict[checks['device']]} (the busiest "
+                     f"device needs {plan['device_need'] / GIB:.2f} GiB: {abs(margin) / GIB:.2f} GiB "
+                     f"{'to spare' if margin >= 0 else 'short'})")
     need = f"need {plan['node_host_total'] / GIB:.2f}"
     if plan["host_memory"] is None:
         lines.append(f"host memory per node: {need} GiB, available unknown (set host_memory_gb): not checked")

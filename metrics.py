@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -38,6 +39,7 @@ COLUMNS = [
     "grad_norm", "lr", "optimizer_steps", "skipped_steps",
     "num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version",
     "mismatch_mean", "mismatch_max", "engine_mismatch_mean",
+    "routing_mismatch",  # empty where routing_replay is off
     *ROLLOUT_CORRECTION,  # empty where rollout_is / rollout_rs is off
     "val_reward_mean", "val_acc",
     "alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit",
@@ -51,7 +53,8 @@ TENSORBOARD_GROUPS = {
     "reward": ("reward_mean", "reward_std", "acc_mean", "score_mean", "reward_malformed"),
     "length": ("response_length_mean", "response_length_max", "truncated_frac"),
     "loss": ("policy_loss", "kl", "kl_coef", "entropy", "length_penalty"),
-    "policy": ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mismatch_mean", "mismatch_max", "engine_mismatch_mean"),
+    "policy": ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mismatch_mean", "mismatch_max", "engine_mismatch_mean",
+               "routing_mismatch"),
     "rollout_corr": ROLLOUT_CORRECTION,  # verl's tags for these: rollout_corr/rollout_is_mean, ...
     "optim": ("grad_norm", "lr", "optimizer_steps", "skipped_steps"),
     "sampling": ("num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version"),
@@ -218,6 +221,8 @@ def console_line(row: dict[str, Any]) -> str:
         correction += f" is {num('rollout_is_mean', '.3f')} ess {num('rollout_is_eff_sample_size', '.3f')}"
     if row.get("rollout_rs_masked_fraction") is not None:
         correction += f" rejected {num('rollout_rs_masked_fraction', '.3f')}"
+    if row.get("routing_mismatch") is not None:
+        correction += f" routing {num('routing_mismatch', '.3f')} engine {num('engine_mismatch_mean', '.4f')}"
     if row.get("policy_loss") is None:  # the validation-only row before training
         return f"step {row['step']:>5} | val_reward {num('val_reward_mean', '+.3f')}{val}"
     return (
@@ -347,7 +352,11 @@ class CompletionLog:
 class StepReporter:
     """What the lead learner shows the user: each step's metrics.csv row (and TensorBoard scalars),
     the console line, the alarms (printed when they fire, counted in the row), sample completions
-    at every logged step, and curves.png at every validation and at the end."""
+    at every logged step, and curves.png at a validation (at most every CURVES_REDRAW_S) and at the end."""
+
+    # Drawing curves.png takes the lead about a second, which every rank waits for: a run that
+    # validates often (a short one, a test) redraws at most this often; TensorBoard's curves are live.
+    CURVES_REDRAW_S = 60.0
 
     def __init__(self, run: RunConfig, *, tokenizer: Any, reference_answers: Sequence[Optional[str]],
                  advantages: Callable[["SampleBatch"], Any], append: bool) -> None:
@@ -363,6 +372,7 @@ class StepReporter:
                                          tokenizer=tokenizer, reference_answers=reference_answers,
                                          advantages=advantages, append=append)
         self.train_rewards_since_val: list[float] = []
+        self.curves_drawn_at = time.monotonic()
 
     def logs(self, step: int) -> bool:
         """Whether ``step`` is shown on the console and in completions.jsonl."""
@@ -401,8 +411,10 @@ class StepReporter:
             log(console_line(row))
         if validated and (sample := self.completions.console_sample()):
             log(sample)
-        if step > 0 and (validated or step == self.max_steps):  # step 0 alone would be an empty picture
+        redraw = validated and time.monotonic() - self.curves_drawn_at >= self.CURVES_REDRAW_S
+        if step > 0 and (redraw or step == self.max_steps):  # step 0 alone would be an empty picture
             plot_curves(self.out_dir)
+            self.curves_drawn_at = time.monotonic()
         if step == self.max_steps:  # the run's last row
             for writer in (self.curves, self.wandb):
                 if writer is not None:

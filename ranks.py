@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -86,9 +86,15 @@ def wait_for_group(group: Optional[dist.ProcessGroup]) -> None:
 
 @dataclass(frozen=True)
 class Layout:
+    """Who does what, by rank index. With ``tensor_parallel`` N the rollout ranks form groups of N
+    consecutive ranks, one rollout engine each: the first of a group (its engine rank) drives the
+    engine over the group's N devices; the others hold no model and take no prompts, yet take
+    part in every exchange of the rollout ranks but the weight sync (init_groups)."""
+
     world_size: int
     rank: int
     num_learners: int
+    tensor_parallel: int = 1
 
     @property
     def num_rollout(self) -> int:
@@ -118,14 +124,48 @@ class Layout:
     def learner_index(self) -> int:
         return self.rank - self.num_rollout
 
-    def rollout_ranks_on_node(self, nodes: int) -> int:
-        """The rollout ranks on this rank's node, torchrun placing ranks k*P..(k+1)*P-1 on node k
-        (memory_plan.node_hosts counts the same way); one process holds both roles."""
+    @property
+    def num_engines(self) -> int:
+        """The rollout engines, over which the prompts of every batch are split."""
+        return 1 if self.world_size == 1 else self.num_rollout // self.tensor_parallel
+
+    @property
+    def engine_index(self) -> int:
+        """A rollout rank's engine (its group of ranks); 0 in one process."""
+        return 0 if self.world_size == 1 else self.rollout_index // self.tensor_parallel
+
+    @property
+    def engine_ranks(self) -> list[int]:
+        """The ranks whose devices a rollout rank's engine runs on, its engine rank first."""
+        first = self.engine_index * self.tensor_parallel
+        return list(range(first, first + self.tensor_parallel))
+
+    @property
+    def drives_engine(self) -> bool:
+        """Whether this rank builds a rollout engine (one process: always; a learner: never)."""
+        return self.world_size == 1 or (not self.is_learner and self.rollout_index % self.tensor_parallel == 0)
+
+    @property
+    def title(self) -> str:
+        """What this rank is, as heartbeats and error lines name it."""
+        if self.is_lead:
+            return "lead learner"
+        if self.is_learner or self.tensor_parallel == 1:
+            return self.role
+        first, last = self.engine_ranks[0], self.engine_ranks[-1]
+        if self.drives_engine:
+            return f"rollout: engine {self.engine_index} over the devices of ranks {first}-{last}"
+        return (f"rollout: engine {self.engine_index}'s device {self.rank - first + 1} of {self.tensor_parallel}, "
+                f"no model")
+
+    def engines_on_node(self, nodes: int) -> int:
+        """The rollout engines driven from this rank's node, torchrun placing ranks k*P..(k+1)*P-1
+        on node k (memory_plan.node_hosts counts the same way); one process holds both roles."""
         if self.world_size == 1:
             return 1
         per_node = self.world_size // nodes
         first = self.rank // per_node * per_node
-        return sum(rank < self.num_rollout for rank in range(first, first + per_node))
+        return sum(replace(self, rank=rank).drives_engine for rank in range(first, first + per_node))
 
 
 @dataclass(frozen=True)
@@ -133,6 +173,7 @@ class Groups:
     learners: Optional[dist.ProcessGroup]  # None on rollout ranks
     sync: Optional[dist.ProcessGroup]  # None on learners other than the lead
     checkpoint: Optional[dist.ProcessGroup] = None  # the learners again, for checkpoint writer threads only
+    weights: Optional[dist.ProcessGroup] = None  # the lead + the engine ranks (sync itself at tensor parallel 1)
 
 
 def init_groups(layout: Layout, backend: str, timeout_s: float, learner_backend: Optional[str] = None) -> Groups:
@@ -146,9 +187,16 @@ def init_groups(layout: Layout, backend: str, timeout_s: float, learner_backend:
     # Checkpoint files are written beside training, so their collectives need a group of their
     # own; gloo, because what they carry are host copies.
     checkpoint = dist.new_group(learner_ranks, backend="gloo", timeout=timeout)
+    # Weights go to the engine ranks alone: a rank that holds no model need not receive a copy of
+    # it it would drop, and its part in the exchanges of the sync group is all it has to keep.
+    weights = sync
+    if layout.tensor_parallel > 1:
+        engine_ranks = [rank for rank in range(layout.num_rollout) if replace(layout, rank=rank).drives_engine]
+        weights = dist.new_group(engine_ranks + [layout.lead_learner], backend=backend, timeout=timeout)
     return Groups(learners=learners if layout.is_learner else None,
                   sync=sync if (not layout.is_learner or layout.is_lead) else None,
-                  checkpoint=checkpoint if layout.is_learner else None)
+                  checkpoint=checkpoint if layout.is_learner else None,
+                  weights=weights if layout.drives_engine or layout.is_lead else None)
 
 
 # ----- samples: rollout ranks -> lead learner -> all learners ----------------------------------
@@ -183,6 +231,34 @@ def unpack(longs: torch.Tensor, floats: torch.Tensor, rows: int, width_p: int, w
     return SampleBatch(rollout_logp=logp, group_size=group_size, **fields)
 
 
+# The routing ids (routing_replay) travel as their bytes: every backend's collectives take uint8,
+# NCCL's no int16. A batch's routing is (MoE layers, top_k, bytes per id), (0, 0, 0) without.
+_ROUTING_DTYPES = {1: torch.uint8, 2: torch.int16}
+
+
+def routing_of(batch: Optional[SampleBatch]) -> tuple[int, int, int]:
+    routed = None if batch is None else batch.routed_experts
+    return (0, 0, 0) if routed is None else (routed.shape[2], routed.shape[3], routed.element_size())
+
+
+def pack_routing(batch: SampleBatch, width_p: int, width_r: int, rows: int,
+                 routing: tuple[int, int, int]) -> torch.Tensor:
+    """The batch's routing ids as bytes, [rows, (width_p + width_r) * layers * top_k * bytes], rows
+    padded with zeros (an empty batch is all padding)."""
+    layers, top_k, itemsize = routing
+    data = torch.zeros(rows, width_p + width_r, layers, top_k * itemsize, dtype=torch.uint8)
+    if batch.routed_experts is not None:
+        wide = batch.widen(width_p, width_r).routed_experts
+        data[:wide.shape[0]] = wide.contiguous().view(torch.uint8)
+    return data.view(rows, -1)
+
+
+def unpack_routing(data: torch.Tensor, rows: int, width_p: int, width_r: int,
+                   routing: tuple[int, int, int]) -> torch.Tensor:
+    layers, top_k, itemsize = routing
+    return data[:rows].cpu().view(rows, width_p + width_r, layers, top_k * itemsize).view(_ROUTING_DTYPES[itemsize])
+
+
 def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Every member's ``tensor`` (all the same shape), in group order, on every member.
 
@@ -208,17 +284,21 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
     width_p = 0 if batch is None else batch.prompt_ids.shape[1]
     width_r = 0 if batch is None else batch.response_ids.shape[1]
     # The lead's own header (last in the group) is padding.
-    table = all_gather_float64([rows, width_p, width_r, *header_values], groups.sync, device)[:-1]
-    max_rows, max_p, max_r = (int(table[:, i].max()) for i in range(3))
+    table = all_gather_float64([rows, width_p, width_r, *routing_of(batch), *header_values], groups.sync, device)[:-1]
+    max_rows, max_p, max_r, *routing = (int(table[:, i].max()) for i in range(6))
     if batch is None:
         batch = SampleBatch.empty(group_size)
     longs, floats = (t.to(device) for t in pack(batch, max_p, max_r, max_rows))
     long_list, float_list = _all_gather(longs, groups.sync), _all_gather(floats, groups.sync)
+    routing_list = _all_gather(pack_routing(batch, max_p, max_r, max_rows, routing).to(device), groups.sync) \
+        if routing[0] else None
     if not layout.is_lead:
         return None
-    batches = [unpack(long_list[r], float_list[r], int(table[r, 0]), max_p, max_r, group_size)
+    batches = [replace(unpack(long_list[r], float_list[r], int(table[r, 0]), max_p, max_r, group_size),
+                       routed_experts=None if routing_list is None else
+                       unpack_routing(routing_list[r], int(table[r, 0]), max_p, max_r, routing))
                for r in range(layout.num_rollout) if int(table[r, 0])]
-    return batches, table[:, 3:]
+    return batches, table[:, 6:]
 
 
 class SampleChannel:
@@ -256,19 +336,22 @@ def broadcast_samples(batch: Optional[SampleBatch], src: int, group: dist.Proces
                       group_size: int) -> SampleBatch:
     """The lead learner's step batch to every learner."""
     wait_for_group(group)
-    shape = torch.tensor([0, 0, 0] if batch is None else
-                         [batch.prompt_ids.shape[0], batch.prompt_ids.shape[1], batch.response_ids.shape[1]],
-                         dtype=torch.long, device=device)
+    shape = torch.tensor([0] * 6 if batch is None else
+                         [batch.prompt_ids.shape[0], batch.prompt_ids.shape[1], batch.response_ids.shape[1],
+                          *routing_of(batch)], dtype=torch.long, device=device)
     dist.broadcast(shape, src=src, group=group)
-    rows, width_p, width_r = shape.tolist()
+    rows, width_p, width_r, *routing = shape.tolist()
     if batch is None:
-        longs = torch.zeros(rows, 2 * width_p + 2 * width_r + len(_ROW_LONG_FIELDS), dtype=torch.long, device=device)
-        floats = torch.zeros(rows, width_r + len(_ROW_FLOAT_FIELDS), device=device)
-    else:
-        longs, floats = (t.to(device) for t in pack(batch, width_p, width_r, rows))
+        batch = SampleBatch.empty(group_size)
+    longs, floats = (t.to(device) for t in pack(batch, width_p, width_r, rows))
     dist.broadcast(longs, src=src, group=group)
     dist.broadcast(floats, src=src, group=group)
-    return unpack(longs, floats, rows, width_p, width_r, group_size)
+    routed = None
+    if routing[0]:
+        data = pack_routing(batch, width_p, width_r, rows, routing).to(device)
+        dist.broadcast(data, src=src, group=group)
+        routed = unpack_routing(data, rows, width_p, width_r, routing)
+    return replace(unpack(longs, floats, rows, width_p, width_r, group_size), routed_experts=routed)
 
 
 def all_gather_float64(values: Sequence[float], group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -433,7 +516,7 @@ def init_world(layout: Layout, backend: str, timeout_s: float, learner_backend: 
     and create the subgroups."""
     global _liveness
     timeout = datetime.timedelta(seconds=timeout_s)
-    role = "lead learner" if layout.is_lead else layout.role
+    role = layout.title
     with phase("process group start-up"):
         dist.init_process_group(backend, store=_attempt_store(layout.rank, timeout), rank=layout.rank,
                                 world_size=layout.world_size, timeout=timeout)

@@ -26,6 +26,7 @@ from fp8 import convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
 from hf_weights import WeightFiles, empty_model
 from ranks import Layout, WeightBroadcast, phase
 from rewards import Scored
+from routing import RoutingShape
 from samples import SampleBatch
 
 
@@ -108,6 +109,16 @@ def check_rollout_inputs(cfg: Config) -> None:
     if not cfg.model.reward_model:
         resolve_rule(cfg.model.reward_fn)
     model_config = Path(cfg.model.model_path) / "config.json"
+    if cfg.model.rollout_tensor_parallel > 1 and model_config.is_file():
+        from engine_vllm import tensor_parallel_problem
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(model_config.parent, local_files_only=True).get_text_config()
+        problem = tensor_parallel_problem(cfg.model.rollout_tensor_parallel, text.num_attention_heads,
+                                          text.num_key_value_heads or text.num_attention_heads)
+        if problem:
+            raise UserError(f"rollout_tensor_parallel {cfg.model.rollout_tensor_parallel} {problem} "
+                            f"(model_path {cfg.model.model_path}): vLLM splits them evenly over an engine's devices")
     if cfg.model.eos_token_ids and model_config.is_file():  # without one, load_run_inputs names the folder
         from transformers import AutoConfig
 
@@ -116,6 +127,12 @@ def check_rollout_inputs(cfg: Config) -> None:
         if outside:
             raise UserError(f"eos_token_ids: {outside[0]} is outside the vocabulary of model_path "
                             f"{cfg.model.model_path} ({vocab_size} ids, 0 to {vocab_size - 1})")
+    if cfg.algo.routing_replay and model_config.is_file():
+        from transformers import AutoConfig
+
+        if RoutingShape.of(AutoConfig.from_pretrained(model_config.parent, local_files_only=True)) is None:
+            raise UserError(f"routing_replay: model_path {cfg.model.model_path} has no mixture-of-experts layers "
+                            f"whose routing could be replayed; set routing_replay false")
 
 
 def stop_ids(cfg: Config, tokenizer) -> list[int]:
@@ -160,9 +177,10 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
         derived = Derived.of(cfg, layout.world_size)
         planned = memory_plan.rollout_rank(cfg, derived, memory_plan.Architecture.of(model_config))
         device_memory = int(cfg.run.device_memory_gb * 2**30) if cfg.run.device_memory_gb else plat.memory_bytes()
-        sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_ranks) * cfg.rollout.sample_num
+        sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_engines) * cfg.rollout.sample_num
         engine = VllmEngine(cfg, plat, layout, RolloutWeights(model_config, wire_dtype(cfg)), planned=planned,
-                            sequences=sequences, device_memory=device_memory, **settings)
+                            sequences=sequences, device_memory=device_memory,
+                            routing=RoutingShape.of(model_config) if cfg.algo.routing_replay else None, **settings)
         if learner_weights is not None:
             engine.load_weights(learner_weights())
         return engine
@@ -171,7 +189,8 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
     model = rollout_copy()
     return BuiltinEngine(model, RolloutWeights(model.config, cfg.model.rollout_dtype), device=plat.device,
                          stop_check_every=cfg.rollout.rollout_stop_check_every,
-                         compile_mode=decode_compile_mode(plat.kind, cfg.rollout.rollout_compile), **settings)
+                         compile_mode=decode_compile_mode(plat.kind, cfg.rollout.rollout_compile),
+                         record_routing=cfg.algo.routing_replay, **settings)
 
 
 class RolloutWorker:
@@ -218,6 +237,7 @@ class RolloutWorker:
             correct=correct, truncated=gen.truncated,
             prompt_index=torch.tensor(repeat(prompt_index), dtype=torch.long),
             version=torch.full((n,), version, dtype=torch.long), group_size=group_size,
+            routed_experts=gen.routed_experts,
         )
         return batch, scored
 
@@ -261,20 +281,25 @@ class Rollout:
     """The rollout side of a run: a rollout rank, or the rollout half of a one-process run.
 
     It holds the rollout engine (with its copy of the policy) and the weight version it
-    carries, generates this rank's share of every generation batch, and validates its share of
-    the val set.
+    carries, generates its engine's share of every generation batch (prompts are split over
+    engines), and validates its share of the val set. A rank of a tensor-parallel engine other
+    than its engine rank has no engine (``engine`` None): it keeps the prompt stream's position
+    and the weight version as the others do, and its shares are empty.
     """
 
-    def __init__(self, cfg: Config, plat: Platform, layout: Layout, engine: RolloutEngine, tokenizer,
+    def __init__(self, cfg: Config, plat: Platform, layout: Layout, engine: Optional[RolloutEngine], tokenizer,
                  train_set, val_set) -> None:
         self.cfg, self.plat, self.train_set, self.val_set = cfg, plat, train_set, val_set
         self.engine = engine
-        single = layout.world_size == 1
-        self.shard_index, self.num_shards = (0, 1) if single else (layout.rollout_index, layout.num_rollout)
+        self.shard_index, self.num_shards = layout.engine_index, layout.num_engines
         # Validation prompts go no more at a time than a training generation batch's sequences,
         # whose KV cache the memory plan counts.
         self.val_batch_size = math.ceil(cfg.rollout.prompts_per_step / self.num_shards) * cfg.rollout.sample_num
         self.weight_version = 0
+        self.prompts = PromptStream([len(p) for p in train_set.prompt_ids], cfg.rollout.prompts_per_step,
+                                    cfg.data.bucket_size, cfg.run.seed)
+        if engine is None:
+            return
         self.worker = RolloutWorker(
             engine, tokenizer, make_reward_source(cfg.model.reward_fn, cfg.model.reward_model, plat.device,
                                                   cfg.model.rollout_dtype),
@@ -283,14 +308,12 @@ class Rollout:
             sampling=Sampling(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p),
             overlong_buffer_len=cfg.algo.overlong_buffer_len,
             overlong_penalty_factor=cfg.algo.overlong_penalty_factor, bucket_size=cfg.data.bucket_size)
-        self.prompts = PromptStream([len(p) for p in train_set.prompt_ids], cfg.rollout.prompts_per_step,
-                                    cfg.data.bucket_size, cfg.run.seed)
 
     def generate_shard(self, step: int, gen_index: int) -> tuple[Optional[SampleBatch], int, float]:
         """This rank's share of the next generation batch: (samples or None, malformed count, seconds)."""
         start = time.perf_counter()
         mine = self.prompts.next()[self.shard_index::self.num_shards]
-        if not mine:
+        if not mine or self.engine is None:
             return None, 0, time.perf_counter() - start
         data = self.train_set
         batch, scored = self.worker.rollout(
@@ -304,6 +327,8 @@ class Rollout:
     def validation_sums(self) -> list[float]:
         """[reward sum, correct count, prompts] over this rank's share of the val set (greedy unless
         val_temperature > 0)."""
+        if self.engine is None:
+            return [0.0, 0.0, 0.0]
         val, settings = self.val_set, self.cfg.rollout
         greedy = settings.val_temperature == 0
         sampling = Sampling(temperature=1.0 if greedy else settings.val_temperature, top_p=settings.val_top_p,
@@ -330,15 +355,22 @@ class Rollout:
     def load_checkpoint_weights(self, folder: Path, version: int) -> None:
         """A resumed rollout rank: weights ``version`` from a checkpoint's learner shards, read a
         bucket at a time and converted as the weight sync converts them."""
+        if self.engine is None:
+            self.weight_version = version
+            return
         bucket_bytes = self.cfg.run.weight_sync_bucket_mb * 2**20
         with phase("checkpoint load"):
             self.load_weights(ckpt.iter_full_weights(folder, self.engine.weights.names, bucket_bytes), version)
 
-    def receive_weights(self, broadcast: WeightBroadcast) -> int:
-        """A rollout rank: the next weight version from the lead learner, by broadcast."""
+    def receive_weights(self, broadcast: Optional[WeightBroadcast]) -> int:
+        """A rollout rank: the next weight version from the lead learner, by broadcast. A rank
+        without an engine (``broadcast`` None) counts it: its engine rank takes the weights."""
         with phase("weight sync"):
-            version = broadcast.receive()
-            self.engine.finish_weights()
+            if broadcast is None:
+                version = self.weight_version + 1
+            else:
+                version = broadcast.receive()
+                self.engine.finish_weights()
         assert version == self.weight_version + 1, f"weights arrived out of order: v{version} after v{self.weight_version}"
         self.weight_version = version
         return version

@@ -29,6 +29,9 @@ class SampleBatch:
     prompt_index: torch.Tensor  # [N] long: dataset row of the prompt
     version: torch.Tensor  # [N] long: weight version that generated the response
     group_size: int
+    # [N, P + R, MoE layers, top_k] uint8 (int16 past 256 experts): the experts each token ran
+    # through in the engine, with routing_replay (routing.py); None without
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def num_groups(self) -> int:
@@ -39,7 +42,8 @@ class SampleBatch:
         return self.response_mask.sum(-1)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "group_size"}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "group_size" and getattr(self, f.name) is not None}
 
     def named_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """The tensors under ``prefix.NAME`` keys, for a safetensors file holding several batches."""
@@ -69,6 +73,8 @@ class SampleBatch:
             response_ids=F.pad(self.response_ids, (0, grow_r), value=0),
             response_mask=F.pad(self.response_mask, (0, grow_r), value=False),
             rollout_logp=F.pad(self.rollout_logp, (0, grow_r), value=0.0),
+            routed_experts=None if self.routed_experts is None else
+            F.pad(self.routed_experts, (0, 0, 0, 0, grow_p, grow_r), value=0),
         )
 
     @staticmethod
@@ -85,9 +91,12 @@ class SampleBatch:
         the rows need not form groups any more (group_size 1)."""
         keep_p = int(self.prompt_mask.any(0).nonzero().min()) if self.prompt_mask.any() else 0
         keep_r = int(self.response_lengths.max())
+        width_p = self.prompt_ids.shape[1]
         return replace(self, prompt_ids=self.prompt_ids[:, keep_p:], prompt_mask=self.prompt_mask[:, keep_p:],
                        response_ids=self.response_ids[:, :keep_r], response_mask=self.response_mask[:, :keep_r],
-                       rollout_logp=self.rollout_logp[:, :keep_r], group_size=1)
+                       rollout_logp=self.rollout_logp[:, :keep_r], group_size=1,
+                       routed_experts=None if self.routed_experts is None else
+                       self.routed_experts[:, keep_p:width_p + keep_r])
 
     @staticmethod
     def empty(group_size: int) -> "SampleBatch":

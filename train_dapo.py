@@ -11,6 +11,7 @@ checks), ranks.py (what crosses between ranks). To change the algorithm, subclas
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -89,15 +90,20 @@ class Trainer:
             rollout_copy = (lambda: self.learner.rollout_copy(cfg.model.rollout_dtype)) if self.single else \
                 (lambda: load_rollout_model(Path(cfg.model.model_path), cfg.model.rollout_dtype, plat.device))
             engine = build_engine(cfg, plat, layout, self.tokenizer, rollout_copy,
-                                  learner_weights=self.learner.full_weights if self.single else None)
+                                  learner_weights=self.learner.full_weights if self.single else None) \
+                if layout.drives_engine else None
             self.rollout = Rollout(cfg, plat, layout, engine, self.tokenizer, self.train_set, self.val_set)
-            held = ", ".join(f"{item} {size / 2**30:.2f} GiB" for item, size in engine.memory().items() if size)
-            log(f"rank {layout.rank}: rollout engine {cfg.model.rollout_engine}" + (f" ({held})" if held else ""))
+            held = ", ".join(f"{item} {size / 2**30:.2f} GiB" for item, size in engine.memory().items() if size) \
+                if engine is not None else ""
+            log(f"rank {layout.rank}: " + (f"rollout engine {cfg.model.rollout_engine}" if engine is not None else
+                                           layout.title) + (f" ({held})" if held else ""))
         if not self.single and (lead or not layout.is_learner):
-            form = RolloutWeights(self.learner.policy.config, wire_dtype(cfg)) if lead \
-                else self.rollout.engine.weights
-            self.weights = WeightBroadcast(form, cfg.run.weight_sync_bucket_mb, src=layout.lead_learner,
-                                           group=groups.sync, device=plat.device)
+            self.weights = None  # a rank of a tensor-parallel engine without the engine takes no weights
+            if lead or layout.drives_engine:
+                form = RolloutWeights(self.learner.policy.config, wire_dtype(cfg)) if lead \
+                    else self.rollout.engine.weights
+                self.weights = WeightBroadcast(form, cfg.run.weight_sync_bucket_mb, src=layout.lead_learner,
+                                               group=groups.weights, device=plat.device)
             self.samples = SampleChannel(layout, groups, plat.device, cfg.rollout.sample_num)
         self.sampler, self.report = None, None  # the lead's
         if lead:
@@ -265,7 +271,7 @@ def launch_layout(cfg: Config, ranks: Optional[int], nodes: Optional[int]) -> tu
     world_size = ranks or int(os.environ.get("WORLD_SIZE", "1"))
     derived = Derived.of(cfg, world_size, nodes=nodes or config.torchrun_nodes())
     return derived, Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
-                           num_learners=derived.num_learner_ranks)
+                           num_learners=derived.num_learner_ranks, tensor_parallel=derived.rollout_tensor_parallel)
 
 
 def check_inputs(cfg: Config, *, reads_data: bool) -> None:
@@ -309,7 +315,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
                                                  warn=warn if lead else quiet, log=log if lead else quiet)
         resuming.prepare_output_dir(out, overwrite=cfg.run.overwrite_output_dir, create=lead,
                                     resuming=cfg.run.resume_from_checkpoint is not None or resume is not None or restarted)
-        role = "rollout+learner" if world_size == 1 else layout.role + " (lead)" * lead
+        role = "rollout+learner" if world_size == 1 else layout.role + " (lead)" * lead if layout.is_learner \
+            else layout.title
         log(f"rank {layout.rank}/{world_size} role={role} pid={os.getpid()} device={plat.device} "
             f"backend={plat.backend} moe_experts={experts_implementation(plat.kind)}")
         bind_host_cores(plat)  # before the run's threads and processes start: they inherit its cores
@@ -341,4 +348,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
 
 
 if __name__ == "__main__":
+    if "triton" not in sys.modules:
+        # What the imports made lives as long as the process: no collection, the exit's included,
+        # walks it again (2 CPU s of a rank). Not triton's: nanobind would report it leaked at exit.
+        gc.freeze()
     sys.exit(main(sys.argv[1:]))

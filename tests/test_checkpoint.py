@@ -114,7 +114,8 @@ def test_one_process_resume_matches_the_uninterrupted_run(demo_argv, uninterrupt
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "resumed"
-    assert train(run_argv(demo_argv, out, 3)).returncode == 0
+    # Its checkpoints written without the host copy, from the learner's tensors while the step waits.
+    assert train(run_argv(demo_argv, out, 3, "--async_save", "false")).returncode == 0
     proc = train(run_argv(demo_argv, out, 6, "--resume_from_checkpoint", "auto"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"resuming from {step_folder(out, 3)}" in proc.stdout
@@ -333,3 +334,17 @@ def test_a_dcp_write_on_a_full_disk_is_named_in_one_line():
     assert str(failure.value) == "writing a checkpoint failed: OSError: [Errno 28] No space left on device"
     assert ckpt.disk_full(failure.value)
     assert not ckpt.disk_full(ckpt.CheckpointError("writing a checkpoint failed: PermissionError"))
+
+
+def test_async_save_false_stages_the_shards_themselves_and_true_copies_them():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    for copy in (True, False):
+        staged = ckpt.stage_learner_state(model, optimizer, copy=copy)
+        weight, moment = staged["model"]["weight"], staged["optimizer"]["state"]["weight"]["exp_avg"]
+        assert torch.equal(weight, model.weight) and torch.equal(moment, optimizer.state[model.weight]["exp_avg"])
+        shared = (weight.data_ptr() == model.weight.data_ptr(),
+                  moment.data_ptr() == optimizer.state[model.weight]["exp_avg"].data_ptr())
+        assert shared == ((False, False) if copy else (True, True)), copy

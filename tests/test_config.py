@@ -142,6 +142,45 @@ def test_plan_and_dry_run_take_a_world_size_and_its_nodes(monkeypatch):
         Derived.of(cfg, 8, nodes=3)
 
 
+def test_rollout_tensor_parallel_must_divide_the_rollout_ranks_and_needs_vllm():
+    vllm = ["--rollout_engine", "vllm", "--learner_ranks", "2", "--prompts_per_step", "8"]
+    with pytest.raises(ConfigError, match="^rollout_tensor_parallel 2 needs rollout_engine vllm: the built-in engine"):
+        load_config(["--rollout_tensor_parallel", "2"])
+    with pytest.raises(ConfigError, match="rollout_tensor_parallel must be >= 1"):
+        load_config([*vllm, "--rollout_tensor_parallel", "0"])
+    cfg = load_config([*vllm, "--rollout_tensor_parallel", "2"])
+    eight = Derived.of(cfg, 8)
+    assert (eight.num_rollout_ranks, eight.rollout_tensor_parallel, eight.num_rollout_engines) == (6, 2, 3)
+    assert Derived.of(load_config(vllm), 8).num_rollout_engines == 6  # the default: an engine per rollout rank
+    with pytest.raises(ConfigError) as err:
+        Derived.of(load_config([*vllm, "--rollout_tensor_parallel", "4"]), 8)
+    assert str(err.value) == ("rollout_tensor_parallel 4 does not divide the 6 rollout ranks (8 ranks - learner_ranks "
+                              "2): values that do: 1, 2, 3, 6")
+    with pytest.raises(ConfigError, match="needs a torchrun job"):
+        Derived.of(cfg, 1)
+    # Two nodes of 4: engines of 2 ranks stay on a node (0-1, 2-3 | 4-5), engines of 3 would not (3-5).
+    assert Derived.of(cfg, 8, nodes=2).num_rollout_engines == 3
+    with pytest.raises(ConfigError, match="the engine of rollout ranks 3-5 would span two nodes"):
+        Derived.of(load_config([*vllm, "--rollout_tensor_parallel", "3"]), 8, nodes=2)
+
+
+@pytest.mark.parametrize("inspection", ["--plan", "--dry_run"])
+def test_plan_and_dry_run_refuse_a_tensor_parallel_that_cannot_work_in_one_line(inspection, tmp_path, capsys):
+    import train_dapo
+
+    argv = ["--config", str(ROOT / "configs" / "qwen3_30b_a3b_dapo.yaml"), "--model_path",
+            str(ROOT / "configs" / "models" / "qwen3-30b-a3b"), "--output_dir", str(tmp_path / "out"), inspection]
+    assert train_dapo.main([*argv, "--rollout_engine", "vllm", "--rollout_tensor_parallel", "4"]) == 2
+    assert capsys.readouterr().err == ("error: rollout_tensor_parallel 4 does not divide the 6 rollout ranks (8 ranks - "
+                                       "learner_ranks 2): values that do: 1, 2, 3, 6\n")
+    assert train_dapo.main([*argv, "--rollout_tensor_parallel", "2"]) == 2  # the config's built-in engine
+    assert capsys.readouterr().err.startswith("error: rollout_tensor_parallel 2 needs rollout_engine vllm")
+    assert train_dapo.main([*argv, "--rollout_engine", "vllm", "--rollout_tensor_parallel", "3"]) == 2
+    err = capsys.readouterr().err  # 3 divides the 6 rollout ranks; vLLM cannot split 32 heads over 3
+    assert err.count("\n") == 1 and "rollout_tensor_parallel 3 does not divide the model's 32 attention heads" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_dapo_refuses_too_many_learner_ranks_before_writing_anything(tmp_path):
     # WORLD_SIZE as torchrun sets it: the check comes before any process group is formed.
     out = tmp_path / "run"

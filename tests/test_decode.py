@@ -175,11 +175,16 @@ def test_sampler_draws_each_token_with_its_probability():
 
 def test_compiled_decode_step_gives_the_eager_tokens():
     """rollout_compile on the CPU: the decode step through torch.compile (inductor), greedy, gives
-    the eager loop's tokens and log-probs within float noise (one layer: compiling is the cost)."""
+    the eager loop's tokens and log-probs within float noise (one layer: compiling is the cost),
+    and, recording the routing (routing_replay: hooks on the router inside the compiled step),
+    the eager loop's expert ids."""
     model = moe_model(layers=1)
     ids, mask = prompts(4, 8)
     run = lambda mode: generate(model, ids, mask, max_new_tokens=12, stop_ids=[], pad_id=0,  # noqa: E731
-                                sampling=Sampling(greedy=True), decoder=engine_builtin._Decoder(model, mode))
+                                sampling=Sampling(greedy=True),
+                                decoder=engine_builtin._Decoder(model, mode, record_routing=True))
     eager, compiled = run(None), run(device.decode_compile_mode("cpu", True))
     assert torch.equal(eager.response_ids, compiled.response_ids)
+    assert compiled.routed_experts.shape == (4, 8 + 12, 1, 2) and torch.equal(eager.routed_experts,
+                                                                              compiled.routed_experts)
     torch.testing.assert_close(eager.logp, compiled.logp, atol=1e-5, rtol=0)

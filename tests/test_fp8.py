@@ -160,15 +160,17 @@ def fp8_run_args(assets, out, steps, *extra):
 def test_fp8_runs_resume_exactly_and_rebuild_the_same_fp8_weights(demo_assets, tmp_path):
     """4 steps vs 2 + resume to 4 with FP8 rollout: the same weights and rows; and the FP8
     rollout copy a resume builds from checkpoint 2 is, byte for byte, the one the first run held
-    after receiving v2 through weight sync."""
+    after receiving v2 through weight sync. With routing replay (where FP8 and the learner route
+    most differently): the pooled samples' expert ids come back from the checkpoint's buffer."""
     import csv
 
+    import ckpt
     import train_dapo
     from config import Derived, load_config
     from device import select_platform
 
     def trainer(out, steps, resume=None):
-        cfg = load_config(fp8_run_args(demo_assets, out, steps))
+        cfg = load_config(fp8_run_args(demo_assets, out, steps, "--routing_replay", "true"))
         (tmp_path / out).mkdir(parents=True, exist_ok=True)
         return train_dapo.Trainer(cfg, select_platform("cpu"), Derived.of(cfg, 1), resume=resume)
 
@@ -179,12 +181,16 @@ def test_fp8_runs_resume_exactly_and_rebuild_the_same_fp8_weights(demo_assets, t
     assert synced.keys() == rebuilt.keys() and any(t.dtype == torch.float8_e4m3fn for t in synced.values())
     assert all(torch.equal(synced[k].view(torch.uint8), rebuilt[k].view(torch.uint8)) for k in synced)
     resumed.train()
-    assert train_dapo.main(fp8_run_args(demo_assets, tmp_path / "whole", 4)) == 0
+    assert train_dapo.main(fp8_run_args(demo_assets, tmp_path / "whole", 4, "--routing_replay", "true")) == 0
 
     def rows(name):
         timing = lambda key: key.endswith("_s") or key in ("overlap", "gen_tokens_per_s")  # noqa: E731
         return [{k: v for k, v in r.items() if not timing(k)} for r in csv.DictReader((tmp_path / name / "metrics.csv").open())]
     assert rows("whole") == rows("split")
+    assert all(row["routing_mismatch"] != "" for row in rows("whole")[1:])
+    buffer = ckpt.read_tensors(tmp_path / "split" / "checkpoints" / "step_00000002" / "sample_buffer.safetensors")
+    pooled = [v for k, v in buffer.items() if k.endswith(".routed_experts")]
+    assert pooled and all(v.dtype == torch.uint8 for v in pooled), sorted(buffer)
     weights = [(tmp_path / name / "checkpoints" / "step_00000004" / "model" / "model.safetensors").read_bytes()
                for name in ("whole", "split")]
     assert weights[0] == weights[1]

@@ -81,7 +81,8 @@ def args(script: Path, demo_assets: Path, model: Path, out: Path, offload: str) 
             "--output_dir", str(out), "--max_steps", "2",
             "--val_every", "0", "--save_every", "1", "--hf_export_every", "0", "--hf_export_file_mb", "8",
             "--weight_sync_bucket_mb", "8", "--gradient_accumulation_steps", "3", "--learner_ranks", "2",
-            "--dist_timeout_s", "120", "--dynamic_sampling", "false", "--learner_offload", offload]
+            "--dist_timeout_s", "120", "--dynamic_sampling", "false", "--learner_offload", offload,
+            "--routing_replay", "true"]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,8 @@ def test_offload_moves_the_learner_state_to_the_host_and_changes_no_result(runs)
     # The same arithmetic on a CPU: equal to the last bit (on an accelerator AdamW runs on the host
     # instead of the device, and kernels may round differently).
     assert metrics_rows(plain) == metrics_rows(offloaded)
+    # Routing replay under FSDP2 on both learners (each would stop at samples without their ids).
+    assert all(0 <= float(row["routing_mismatch"]) <= 1 for row in metrics_rows(plain)[1:])
     files = sorted((step_folder(plain, 2) / "model").glob("*.safetensors"))
     assert files
     for file in files:

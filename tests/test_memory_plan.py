@@ -69,6 +69,9 @@ def test_the_demo_models_plan_is_the_hand_computed_one(demo_assets, tmp_path):
         assert offloaded["device"]["total"] == offloaded["device"]["activations"] == device["activations"]
         assert [offloaded["host"][k] for k in ("params", "grads", "optimizer")] == \
             [device["params"], 4 * shard, 8 * shard]
+        written_in_place = make_plan(load_config(argv + ["--async_save", "false"]), Derived.of(cfg, 8), model_config,
+                                     2**30, with_reference=kl != "0")["learner_rank"]["host"]
+        assert written_in_place["checkpoint_copy"] == 0 and written_in_place["total"] == host["total"] - 12 * shard
 
 
 DEMO_SHAPE = ["--prompts_per_step", "6", "--sample_num", "8", "--max_prompt_length", "64",
@@ -206,6 +209,35 @@ def test_without_offload_the_30b_plan_says_the_learners_need_it(tmp_path):
         plan["model"]["params"] * 18 / 2, rel=1e-6)  # 275 GB on a 64 GB device
     assert plan["fits"] is False and "DOES NOT FIT" in proc.stdout
     assert "the learners need learner_offload: true" in proc.stdout
+
+
+def test_a_tensor_parallel_vllm_rollout_is_planned_per_device_and_advised_where_one_device_is_short(tmp_path,
+                                                                                                     capsys):
+    """The 30B config with vLLM in bf16 on 64 GiB devices: 61 GB of weights do not fit one device,
+    and the plan names the rollout_tensor_parallel that does; at 2, each device of an engine holds
+    half the weights and, on half the KV heads, the KV cache of its engine's share of the prompts."""
+    argv = ["--config", str(ROOT / "configs" / "qwen3_30b_a3b_dapo.yaml"), "--model_path",
+            str(ROOT / "configs" / "models" / "qwen3-30b-a3b"), "--rollout_engine", "vllm", "--rollout_dtype", "bf16",
+            "--device_memory_gb", "64", *TARGET_NODE]
+    assert train_dapo.main([*argv, "--output_dir", str(tmp_path / "one"), "--plan"]) == 1
+    out = capsys.readouterr().out
+    assert "64.00 GiB: DOES NOT FIT (the busiest device needs 81.01 GiB: 17.01 GiB short)" in out
+    assert ("rollout_tensor_parallel 2 (one vLLM engine over 2 devices, 3 engines) would bring a rollout device to "
+            "51.4 GiB") in out
+    assert train_dapo.main([*argv, "--output_dir", str(tmp_path / "two"), "--rollout_tensor_parallel", "2",
+                            "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "6 rollout (3 vLLM engines over 2 devices each) + 2 learner" in out
+    assert "64.00 GiB: fits (the busiest device needs 51.35 GiB: 12.65 GiB to spare)" in out
+    one, two = (json.loads((tmp_path / name / "memory_plan.json").read_text()) for name in ("one", "two"))
+    assert one["rollout_rank"]["weights"] == 2 * one["model"]["params"]
+    assert two["rollout_rank"]["weights"] == one["model"]["params"]  # bf16 weights over 2 devices
+    # 32 prompts over 3 engines: 11, 88 sequences of 2048 + 2048 tokens; 48 layers x 2 of the 4 KV heads x 128.
+    assert two["rollout_rank"]["kv_cache"] == 88 * 4096 * 2 * 48 * 2 * 128 * 2
+    assert two["vllm"]["kv_cache_memory_bytes"] == two["rollout_rank"]["kv_cache"]  # vLLM's setting is per device
+    totals = two["rollout_device_by_tensor_parallel"]  # 3 and 6 divide the rollout ranks, not the 32 heads
+    assert list(totals) == ["1", "2"] and totals["1"] == one["rollout_rank"]["total"]
+    assert totals["2"] == two["rollout_rank"]["total"]
 
 
 def test_a_run_that_cannot_fit_is_refused_naming_the_biggest_item(demo_argv, tmp_path, capsys):

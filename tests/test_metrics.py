@@ -69,6 +69,18 @@ def test_a_resumed_run_redraws_its_curves_with_one_value_per_step(tmp_path):
     assert scalars == csv_as_scalars(tmp_path / "metrics.csv")
 
 
+def test_curves_are_redrawn_at_a_validation_at_most_once_a_minute_and_at_the_end(tmp_path, monkeypatch):
+    drawn, clock = [], [1000.0]
+    monkeypatch.setattr(metrics, "plot_curves", lambda out: drawn.append(step))
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: clock[0])
+    report = reporter(tmp_path, append=False, max_steps=6)
+    for step, seconds in enumerate([0, 30, 31, 30, 10, 20, 1]):  # validations at steps 0, 2, 4 and 6
+        clock[0] += seconds
+        report.write({"step": step, "reward_mean": 0.0, "val_reward_mean": 0.0 if step % 2 == 0 else None})
+    # step 0: nothing to draw; step 2: 61 s in; step 4: 40 s after; step 6: the end
+    assert drawn == [2, 6]
+
+
 def group_batch() -> SampleBatch:
     """Two prompts (rows 0-1 and 2-3), left-padded prompts, right-padded responses."""
     return SampleBatch(

@@ -48,6 +48,43 @@ def test_layout_splits_ranks_by_index():
     assert [Layout(2, r, 1).role for r in range(2)] == ["rollout", "learner"]
 
 
+def test_tensor_parallel_groups_consecutive_rollout_ranks_under_their_first():
+    layouts = [Layout(8, rank, 2, tensor_parallel=2) for rank in range(8)]
+    assert [layout.drives_engine for layout in layouts] == [True, False] * 3 + [False, False]
+    assert [layout.engine_index for layout in layouts[:6]] == [0, 0, 1, 1, 2, 2]
+    assert layouts[3].engine_ranks == [2, 3] and {layout.num_engines for layout in layouts} == {3}
+    assert [layout.title for layout in layouts] == [
+        "rollout: engine 0 over the devices of ranks 0-1", "rollout: engine 0's device 2 of 2, no model",
+        "rollout: engine 1 over the devices of ranks 2-3", "rollout: engine 1's device 2 of 2, no model",
+        "rollout: engine 2 over the devices of ranks 4-5", "rollout: engine 2's device 2 of 2, no model",
+        "lead learner", "learner"]
+    assert [layout.role for layout in layouts] == ["rollout"] * 6 + ["learner"] * 2
+    # The vLLM engines (and their weight staging buffers) on each of two nodes of 4 ranks.
+    assert (layouts[0].engines_on_node(2), layouts[5].engines_on_node(2)) == (2, 1)
+    assert [Layout(8, rank, 2).title for rank in (0, 6, 7)] == ["rollout", "lead learner", "learner"]
+    assert Layout(8, 4, 2).engines_on_node(1) == 6 and Layout(1, 0, 1).drives_engine
+
+
+def test_prompts_split_over_engines_and_a_rank_without_an_engine_keeps_count_with_nothing_to_do():
+    """Rollout on each of 4 rollout ranks at tensor parallel 2: the engine ranks take every other
+    prompt each (engine 0 the even ones); the others generate and validate nothing, yet move
+    through the prompt stream and the weight versions in step."""
+    from types import SimpleNamespace
+
+    from config import Config
+    from device import select_platform
+    from rollout import Rollout
+
+    data = SimpleNamespace(prompt_ids=[[1, 2]] * 12)
+    rollouts = [Rollout(Config(), select_platform("cpu"), Layout(5, rank, 1, tensor_parallel=2), None, None, data,
+                        data) for rank in range(4)]
+    assert [(r.shard_index, r.num_shards) for r in rollouts] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    idle = rollouts[1]
+    assert idle.generate_shard(step=1, gen_index=1)[:2] == (None, 0)
+    assert idle.position() == {"epoch": 0, "cursor": 1} and idle.validation_sums() == [0.0, 0.0, 0.0]
+    assert idle.receive_weights(None) == 1 and idle.receive_weights(None) == 2
+
+
 def test_pack_round_trip_keeps_every_field():
     batch = fake_batch([1, 0, 0, 1], group_size=2, prompt_width=3, response_width=2)
     longs, floats = pack(batch, width_p=5, width_r=4, rows=6)
@@ -64,17 +101,6 @@ def test_weight_buckets_respect_the_limit_and_cover_every_parameter():
     for bucket in plan:
         assert sum(sizes[i] for i in bucket) <= 2 * 2**20 or len(bucket) == 1  # an oversized piece travels alone
     assert len(plan) == 3  # greedy: [0, 1], [2, 3], [4]
-
-
-def test_synchronous_mode_has_no_staleness(demo_assets, tmp_path):
-    # Without dynamic sampling no group is carried over to a later step (a carried group is one
-    # version staler by design), so every sample of step j comes from v_(j-1) by construction.
-    proc = torchrun(3, run_args(demo_assets, tmp_path / "sync", 3, "--max_staleness", "0",
-                                "--learner_ranks", "1", "--dynamic_sampling", "false"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = metrics_rows(tmp_path / "sync")[1:]
-    assert [r["staleness"] for r in rows] == ["0", "0", "0"]
-    assert [r["carried_groups"] for r in rows] == ["0", "0", "0"]
 
 
 def test_two_nodes_on_one_machine_run_as_one_job(demo_assets, tmp_path):
@@ -94,14 +120,19 @@ def test_two_nodes_on_one_machine_run_as_one_job(demo_assets, tmp_path):
     assert [r["step"] for r in metrics_rows(tmp_path / "nodes")] == ["0", "1", "2"]
 
 
-@pytest.mark.parametrize("rollout_dtype", ["fp32", "fp8"])
-def test_two_ranks_reproduce_the_one_process_run(demo_assets, tmp_path, rollout_dtype):
+# Synchronous: without dynamic sampling no group is carried over to a later step (a carried group
+# is one version staler by design), so every sample of step j comes from v_(j-1) by construction.
+SYNCHRONOUS = ("--max_staleness", "0", "--dynamic_sampling", "false")
+
+
+@pytest.mark.parametrize("rollout_dtype, schedule", [("fp32", SYNCHRONOUS), ("fp8", ())], ids=["fp32-sync", "fp8"])
+def test_two_ranks_reproduce_the_one_process_run(demo_assets, tmp_path, rollout_dtype, schedule):
     """One rollout rank + one learner run the same choreography as one process, through real
     process groups: any slip in sample transfer or weight sync (FP8 values and scales included)
-    changes the numbers."""
+    changes the numbers. Rollout one step ahead (the default), and synchronous."""
     # Both runs in fresh processes with one thread each, so the float arithmetic is the same.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    dtype = ("--rollout_dtype", rollout_dtype)
+    dtype = ("--rollout_dtype", rollout_dtype, *schedule)
     one_process = subprocess.run([sys.executable, *run_args(demo_assets, tmp_path / "one", 3, *dtype)], cwd=ROOT,
                                  env=env, capture_output=True, text=True, timeout=240)
     assert one_process.returncode == 0, one_process.stderr[-3000:]
@@ -118,6 +149,10 @@ def test_two_ranks_reproduce_the_one_process_run(demo_assets, tmp_path, rollout_
         numbers = [(float(a), float(b)) for a, b in gaps if a]
         assert [a for a, _ in numbers] == pytest.approx([b for _, b in numbers], rel=1e-4, abs=1e-5), key
     assert one == two
+    if schedule == SYNCHRONOUS:
+        assert [(r["staleness"], r["carried_groups"]) for r in two[1:]] == [("0", "0")] * 3
+    else:
+        assert two[2]["staleness"] == "1"  # step 2 trained on samples from v0
     weights = [(tmp_path / n / "checkpoints" / "step_00000003" / "model" / "model.safetensors").read_bytes()
                for n in ("one", "two")]
     assert weights[0] == weights[1]

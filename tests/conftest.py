@@ -34,7 +34,7 @@ def demo_argv(demo_assets, tmp_path) -> list[str]:
 # The files that take longest (measured on 2 cores, most time first) run first, so that the two
 # workers of `./launch.sh test` (pytest-xdist, one file at a time) end close together instead of
 # one of them starting a four-minute file when the other has nothing left.
-LONGEST_FIRST = ("test_faults.py", "test_engine_vllm.py", "test_ranks.py", "test_accel_standin.py",
+LONGEST_FIRST = ("test_engine_vllm.py", "test_faults.py", "test_ranks.py", "test_accel_standin.py",
                  "test_learner_sharding.py", "test_stopping.py", "test_checkpoint.py", "test_train.py",
                  "test_algorithm_options.py", "test_data_prep.py", "test_npu_paths.py", "test_inputs_checked.py",
                  "test_rollout_correction.py", "test_engine_vllm_platform.py", "test_decode.py")

@@ -263,28 +263,25 @@ def tensor_parallel_job(assets: Path, out: Path, steps: int, *extra: str) -> str
     return printed
 
 
-def test_two_tensor_parallel_engines_take_synced_weights_resume_exactly_and_sample_as_one_process(
-        one_process_runs, assets, tmp_path):
-    """Two steps, then a resume from checkpoint 1 through step 3. Weights reach both devices of
-    each engine (the engines' log-probs are the learner's after every sync, and after the resume's
-    checkpoint load); step 2 from the checkpoint is step 2 again, bit for bit; and the samples are
-    the one-process run's (per-sample seeds): its validation of the base model and everything its
-    first step generated."""
+def test_two_tensor_parallel_engines_take_synced_weights_and_sample_as_one_process(one_process_runs, assets, tmp_path):
+    """Two steps with a checkpoint each. Weights reach both devices of each engine (the engines'
+    log-probs are the learner's after every sync), and the samples are the one-process run's
+    (per-sample seeds): its validation of the base model and everything its first step generated.
+    (A resume of this job from checkpoint 1 repeats step 2 bit for bit; measured, not in the suite:
+    a second job of 11 processes costs the suite ~2 minutes.)"""
     out = tmp_path / "tp2"
     printed = tensor_parallel_job(assets, out, 2)
     assert "rank 1: rollout: engine 0's device 2 of 2, no model" in printed  # in the job, holding nothing
     assert "rank 3: rollout: engine 1's device 2 of 2, no model" in printed
-    rows, weights = rows_of(out), weights_of(out, 2)
-    tensor_parallel_job(assets, out, 3, "--resume_from_checkpoint", str(out / "checkpoints" / "step_00000001"))
-    resumed = rows_of(out)
-    assert [r["step"] for r in resumed] == ["0", "1", "2", "3"]
-    assert resumed[:3] == rows and weights_of(out, 2) == weights
-    assert all(float(r["engine_mismatch_mean"]) < TOLERANCE for r in resumed[1:])
+    rows = rows_of(out)
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    assert (out / "checkpoints" / "step_00000001" / "COMPLETE").is_file() and weights_of(out, 2)
+    assert all(float(r["engine_mismatch_mean"]) < TOLERANCE for r in rows[1:])
     alone = rows_of(one_process_runs / "a")
     for column in ("val_reward_mean", "val_acc"):
-        assert float(resumed[0][column]) == pytest.approx(float(alone[0][column]), abs=1e-9), column
+        assert float(rows[0][column]) == pytest.approx(float(alone[0][column]), abs=1e-9), column
     for column in GENERATION_COLUMNS:  # float32 sums in another order: ~1e-7
-        assert float(resumed[1][column]) == pytest.approx(float(alone[1][column]), abs=1e-6), column
+        assert float(rows[1][column]) == pytest.approx(float(alone[1][column]), abs=1e-6), column
 
 
 def test_missing_vllm_and_fp8_on_cpu_are_refused_with_one_line(assets, tmp_path, monkeypatch, capsys):

@@ -67,6 +67,9 @@ class Census(train_dapo.Trainer):
         self.count()
 
     def count(self):
+        # Not beside the checkpoint writer thread: gc.get_objects() can take a reference to a tuple
+        # that thread is still building, and CPython's tuple resize then raises SystemError there.
+        self.learner.writer.wait()
         Census.most = max(Census.most, host_tensor_bytes())
         Path(self.cfg.run.output_dir, f"census_{self.layout.rank}.json").write_text(json.dumps(Census.most))
 

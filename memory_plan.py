@@ -1,10 +1,10 @@
-"""The memory plan: what each rank and each node of a run will hold, in bytes, from the model's
-config.json (no weights), the run's settings and the world layout, and whether it fits: the
-device (``device_memory_gb``), the host memory of each node (``host_memory_gb``) and the disk
-under output_dir for the checkpoints kept (``disk_gb``); each defaults to what this machine reports.
-
-    python train_dapo.py --config X --plan [WORLD_SIZE] [--nnodes N]   # the table, OUTPUT_DIR/memory_plan.json;
-                                                                       # exit status 1 when it does not fit
+"""The memory plan's counting: what each rank and each node of a run will hold, in bytes, from
+the model's config.json (no weights), the run's settings and the world layout, and the fit checks
+against the device (``device_memory_gb``), the host memory of each node (``host_memory_gb``) and
+the disk under output_dir for the checkpoints kept (``disk_gb``); each defaults to what this
+machine reports. plan_advice.py prints the plan, advises on it (``--plan``) and refuses a run that
+does not fit; dry_run.py checks it against a traced step. At the end of a run, record_usage writes
+what each rank held (memory_used.json).
 
 Parameters and FP8 rollout weights are counted exactly, on an instance of the architecture on
 the meta device; the KV cache exactly from the layer shapes; activations are estimates, stated
@@ -12,8 +12,9 @@ as such (what one layer saves per token, the logits of a micro-batch). What the 
 follows the code as built: FSDP2 shards fp32 parameters, gradients and AdamW's two moments over
 the learner ranks, on the device or, with learner_offload, in host memory; the KL reference
 model, when loaded, is sharded the same way in fp32; when a checkpoint is taken every learner
-copies its shards to host memory, which a writer thread saves while training goes on. No rank
-holds the whole model in fp32: weight sync and the Hugging Face export go a piece at a time.
+copies its shards to host memory, which a writer thread saves while training goes on (async_save;
+false: no copy, the step waits for the write; the plan counts both modes). No rank holds the
+whole model in fp32: weight sync and the Hugging Face export go a piece at a time.
 
 A reward model (``reward_model``) lives on every rollout rank, in the rollout's compute dtype
 (rewards.reward_model_dtype); its parameters are counted like the policy's, on meta from its
@@ -35,9 +36,9 @@ from typing import Any, Optional
 import torch
 
 import hf_weights
-from config import Config, Derived, RunConfig, UserError, uses_fsdp
+from config import Config, Derived, RunConfig, uses_fsdp
 from device import Platform
-from metrics import log, warn
+from metrics import log
 from routing import RoutingShape
 from ranks import Layout, gather_json
 
@@ -306,6 +307,30 @@ def checkpoint_disk(run: RunConfig, per_step: int, export_bytes: int) -> dict[st
             "exports": exports, "disk_need": per_step * copies + export_bytes * exports}
 
 
+def checkpoint_modes(cfg: Config, derived: Derived, arch: Architecture, rollout_host: int,
+                     checkpoint: dict[str, int], *, with_reference: bool) -> dict[str, dict[str, Any]]:
+    """Both ways a checkpoint reaches the disk, by async_save: "true", each learner copies its
+    shards to host memory and a writer thread writes them while training goes on; "false", no
+    copy, the step waits while they are written. For each: the busiest node's host memory, the
+    disk needed, the bytes a save writes (per learner rank, and on the node with the most
+    learners, whose disk they share) and how long that takes at disk_write_gb_per_s."""
+    saves = bool(cfg.run.save_every)
+    modes = {}
+    for copied in (True, False):
+        host = learner_rank(replace(cfg, run=replace(cfg.run, async_save=copied)), derived, arch,
+                            with_reference=with_reference)["host"]["total"]
+        nodes = node_hosts(derived.world_size, derived.nodes, derived.num_learner_ranks, host, rollout_host)
+        busiest = max(nodes, key=lambda node: node["host"])
+        per_learner = checkpoint["per_learner_rank"] if saves else 0
+        per_node = max(node["learner_ranks"] for node in nodes) * per_learner
+        seconds = per_node / (cfg.run.disk_write_gb_per_s * GIB)
+        modes[value_text(copied)] = {"busiest_node": busiest["node"], "busiest_node_host": busiest["host"],
+                                      "disk_need": checkpoint["disk_need"], "written_per_learner_rank": per_learner,
+                                      "written_per_node": per_node, "seconds_per_save": seconds,
+                                      "step_waits_for_the_write_s": 0.0 if copied else seconds}
+    return modes
+
+
 def rollout_shape(cfg: Config, derived: Derived, rollout: dict[str, int]) -> dict[str, int]:
     """How a rollout rank's memory scales, for advice: its sequences and their tokens, the bytes
     each sequence costs (KV cache, prefill, logits) and the KV cache's bytes per token position."""
@@ -326,10 +351,12 @@ def fit_checks(plan: dict[str, Any], device_total: int, capacity: Capacity) -> d
 
 
 def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: Optional[int],
-              *, with_reference: bool, capacity: Capacity = Capacity()) -> dict[str, Any]:
+              *, with_reference: bool, capacity: Capacity = Capacity(),
+              arch: Optional[Architecture] = None) -> dict[str, Any]:
     """The plan as memory_plan.json holds it, every size in bytes; ``fits`` is False when the
-    device, the host of a node or the disk is known not to fit, None when none is known."""
-    arch = Architecture.of(model_config)
+    device, the host of a node or the disk is known not to fit, None when none is known.
+    ``arch``: the model_config's, when counted already."""
+    arch = arch or Architecture.of(model_config)
     reward = reward_model(cfg)
     rollout = rollout_rank(cfg, derived, arch, reward)
     learner = learner_rank(cfg, derived, arch, with_reference=with_reference)
@@ -345,6 +372,10 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     busiest = max(nodes, key=lambda node: node["host"])
     checkpoint = {"per_learner_rank": 12 * math.ceil(arch.params / derived.num_learner_ranks),
                   **checkpoint_disk(cfg.run, checkpoint_bytes(arch.params), arch.params * stored)}
+    checkpoint.update(save_every=cfg.run.save_every, async_save=cfg.run.async_save,
+                      disk_write_gb_per_s=cfg.run.disk_write_gb_per_s,
+                      modes=checkpoint_modes(cfg, derived, arch, rollout_host, checkpoint,
+                                             with_reference=with_reference))
     split = derived.rollout_tensor_parallel
     engines = f" ({derived.num_rollout_engines} vLLM engines over {split} devices each)" if split > 1 else ""
     layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout{engines} + {derived.num_learner_ranks} "
@@ -362,7 +393,7 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
             "routing_ids": routing_ids(cfg, derived, arch),
             "layout": layout, "num_rollout_ranks": derived.num_rollout_ranks,
             "num_rollout_engines": derived.num_rollout_engines,
-            "num_learner_ranks": derived.num_learner_ranks, "reward_model": reward,
+            "num_learner_ranks": derived.num_learner_ranks, "reward_model": reward, "reward_fn": cfg.model.reward_fn,
             "rollout_rank": rollout, "rollout_shape": rollout_shape(cfg, derived, rollout),
             "rollout_rank_host_at_start": rollout_host, "learner_rank": learner, "one_process": single,
             "nodes": nodes, "ranks_per_node": derived.world_size // derived.nodes,
@@ -392,372 +423,13 @@ def tensor_parallel_choices(derived: Derived, arch: Architecture) -> list[int]:
     return choices
 
 
-def biggest_overflow(plan: dict[str, Any]) -> Optional[str]:
-    """'ROLE ITEM (SIZE) of TOTAL against DEVICE' for the rank that does not fit, or None."""
-    memory = plan["device_memory"]
-    single = plan["one_process"]
-    if single is not None:
-        if memory is None or single["total"] <= memory:
-            return None
-        # The biggest item of the peak moment, named by role, as both roles share the device.
-        learner, rollout = plan["learner_rank"]["device"], plan["rollout_rank"]
-        if single["peak_at"] == "steady state":
-            items = {**{f"learner {k}": v for k, v in learner.items() if k != "total"},
-                     **{f"rollout {k}": v for k, v in rollout.items() if k != "total"}}
-        else:
-            items = {"learner params": learner["params"], "fp32 rollout copy": single["fp32_rollout_copy"]}
-        item = max(items, key=items.get)
-        return (f"one process (both roles) needs {single['total'] / GIB:.1f} GiB of device memory at its peak "
-                f"({single['peak_at']}), {memory / GIB:.1f} GiB available; the biggest item is {item} "
-                f"({items[item] / GIB:.1f} GiB)")
-    for role, items in (("learner rank", plan["learner_rank"]["device"]), ("rollout rank", plan["rollout_rank"])):
-        if memory is not None and items["total"] > memory:
-            item = max((k for k in items if k != "total"), key=items.get)
-            return (f"a {role} needs {items['total'] / GIB:.1f} GiB of device memory, {memory / GIB:.1f} GiB "
-                    f"available; the biggest item is {item} ({items[item] / GIB:.1f} GiB)")
-    return None
-
-
-def node_roles(node: dict[str, Any]) -> str:
-    """'6 rollout + 2 learner', or 'both roles' for one process."""
-    first, last = node["ranks"]
-    if node["rollout_ranks"] + node["learner_ranks"] > last - first + 1:
-        return "both roles"
-    return " + ".join(f"{node[key]} {role}" for key, role in (("rollout_ranks", "rollout"),
-                                                              ("learner_ranks", "learner")) if node[key])
-
-
-def node_name(node: dict[str, Any]) -> str:
-    """'node 1 (ranks 8-15: 6 rollout + 2 learner, the lead)'."""
-    first, last = node["ranks"]
-    ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
-    return f"node {node['node']} ({ranks}: {node_roles(node)}{', the lead' if node['lead'] else ''})"
-
-
-def host_overflow(plan: dict[str, Any]) -> Optional[str]:
-    if plan["checks"]["host"] is not False:
-        return None
-    node = plan["nodes"][plan["most_loaded_node"]]
-    return (f"{node_name(node)} needs {size_text(node['host'])} of host memory, {size_text(plan['host_memory'])} "
-            f"a node ({plan['host_memory_from']})")
-
-
-def disk_overflow(plan: dict[str, Any]) -> Optional[str]:
-    if plan["checks"]["disk"] is not False:
-        return None
-    return (f"checkpoints need {size_text(plan['checkpoint']['disk_need'])} of disk ({disk_sum(plan)}), "
-            f"{size_text(plan['disk_free'])} {plan['disk_free_from']}")
-
-
-def disk_sum(plan: dict[str, Any]) -> str:
-    """'341.2 GiB per step x (keep_last 3 + 1) + 56.9 GiB Hugging Face weights x 1'."""
-    ck = plan["checkpoint"]
-    if not ck["copies"]:
-        return "save_every 0: no checkpoints"
-    keep = ck["keep_last"]
-    copies = f"(keep_last {keep} + 1)" if ck["copies"] == keep + 1 else f"{ck['copies']} (all the run writes)"
-    text = f"{size_text(ck['per_step'])} per step x {copies}"
-    return text + (f" + {size_text(ck['export_bytes'])} Hugging Face weights x {ck['exports']}" if ck["exports"] else "")
-
-
 def size_text(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
-def learner_device_without_offload(plan: dict[str, Any]) -> int:
-    """What a learner rank's device holds when its state is there too (learner_offload off)."""
-    host, device = plan["learner_rank"]["host"], plan["learner_rank"]["device"]
-    state = sum(host[k] + device[k] for k in ("params", "grads", "optimizer"))
-    return state + max(device["activations"], host["optimizer_step"] + device["optimizer_step"])
-
-
-def advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
-    """What to change, for every check that does not fit (the device's rollout and learner ranks,
-    the host of the most loaded node, the disk); a setting already on is never suggested. First,
-    the settings on that the plan shows are needed."""
-    return [*needed_settings(cfg, plan), *device_advice(cfg, plan), *host_advice(cfg, plan), *disk_advice(cfg, plan)]
-
-
-def needed_settings(cfg: Config, plan: dict[str, Any]) -> list[str]:
-    memory, notes = plan["device_memory"], []
-    if memory is None:
-        return notes
-    rollout = plan["rollout_rank"]
-    bf16_weights = 2 * plan["model"]["params"] // plan["rollout_tensor_parallel"]  # a device's share
-    bf16_rollout = rollout["total"] - rollout["weights"] + bf16_weights
-    if cfg.model.rollout_dtype == "fp8" and bf16_rollout > memory:
-        notes.append(f"rollout_dtype fp8 is needed: with bf16 weights a rollout rank would need "
-                     f"{bf16_rollout / GIB:.1f} GiB")
-    without_offload = learner_device_without_offload(plan)
-    if cfg.model.learner_offload and without_offload > memory:
-        notes.append(f"learner_offload is needed: without it a learner rank would need {without_offload / GIB:.1f} GiB")
-    return notes
-
-
-def device_advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
-    memory, single = plan["device_memory"], plan["one_process"]
-    if memory is None or plan["checks"]["device"] is not False:
-        return []
-    if single is None:
-        return rollout_advice(cfg, plan, memory) + learner_advice(cfg, plan, memory)
-    # Both roles on one device: each has what the other leaves.
-    rollout, learner = plan["rollout_rank"]["total"], plan["learner_rank"]["device"]["total"]
-    return ([f"a torchrun job gives the learner and the rollout a device each (one process needs "
-             f"{single['total'] / GIB:.1f} GiB for both)"]
-            + rollout_advice(cfg, plan, memory - learner) + learner_advice(cfg, plan, memory - rollout))
-
-
-def rollout_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
-    rollout, notes = plan["rollout_rank"], []
-    if rollout["total"] <= room:
-        return notes
-    notes += tensor_parallel_advice(plan, room)
-    if cfg.model.rollout_dtype != "fp8":
-        fp8 = plan["model"]["fp8_rollout_bytes"] / plan["rollout_tensor_parallel"]
-        notes.append(f"rollout_dtype: fp8 would bring the rollout weights from {rollout['weights'] / GIB:.1f} GiB "
-                     f"to {fp8 / GIB:.1f} GiB")
-    return notes + kv_cache_advice(cfg, plan, room)
-
-
-def tensor_parallel_advice(plan: dict[str, Any], room: int) -> list[str]:
-    """vLLM: the smallest rollout_tensor_parallel above this one whose rollout device fits."""
-    totals = {int(n): total for n, total in plan.get("rollout_device_by_tensor_parallel", {}).items()}
-    larger = {n: total for n, total in totals.items() if n > plan["rollout_tensor_parallel"]}
-    fitting = [n for n, total in sorted(larger.items()) if total <= room]
-    if fitting:
-        n = fitting[0]
-        return [f"rollout_tensor_parallel {n} (one vLLM engine over {n} devices, {plan['num_rollout_ranks'] // n} "
-                f"engines) would bring a rollout device to {totals[n] / GIB:.1f} GiB"]
-    if larger:
-        n = max(larger)
-        return [f"no rollout_tensor_parallel that divides the {plan['num_rollout_ranks']} rollout ranks fits alone "
-                f"(at {n}: {larger[n] / GIB:.1f} GiB a rollout device)"]
-    return []
-
-
-def kv_cache_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
-    """The largest prompts_per_step, sample_num and max_response_length (each alone) that fit."""
-    shape, rollout, group = plan["rollout_shape"], plan["rollout_rank"], cfg.rollout.sample_num
-    fixed = rollout["total"] - shape["per_sequence"] * shape["sequences"]  # weights, the sync bucket
-    fit = max(0, (room - fixed) // shape["per_sequence"])  # sequences a rollout rank has room for
-    prompts_here = shape["sequences"] // group
-    options = []
-    if fit // group:
-        options.append(f"prompts_per_step {fit // group * plan['num_rollout_engines']}")
-    if 1 <= fit // prompts_here < group:
-        options.append(f"sample_num {fit // prompts_here}")
-    response = (room - (rollout["total"] - rollout["kv_cache"])) // shape["kv_per_token"] - cfg.data.max_prompt_length
-    if response >= 1:
-        options.append(f"max_response_length {response}")
-    what = (f"the KV cache ({rollout['kv_cache'] / GIB:.1f} GiB: {shape['sequences']} sequences of {shape['tokens']} "
-            f"tokens a rollout rank)")
-    if not options:
-        return [f"{what} leaves no room for one group: more rollout ranks, or a shorter max_prompt_length"]
-    return [f"{what} would fit with, at most: " + " or ".join(options) + " (or more rollout ranks)"]
-
-
-def learner_advice(cfg: Config, plan: dict[str, Any], room: int) -> list[str]:
-    device, notes = plan["learner_rank"]["device"], []
-    if device["total"] <= room:
-        return notes
-    state = device["params"] + device["grads"] + device["optimizer"]
-    if state and plan["one_process"] is None:  # offload and sharding need a torchrun job
-        if not cfg.model.learner_offload:
-            notes.append(f"the learners need learner_offload: true (parameters, gradients and AdamW state, "
-                         f"{state / GIB:.1f} GiB a rank, in host memory) or more learner ranks")
-        more = learners_that_fit(cfg, plan, room)
-        if more:
-            notes.append(f"learner_ranks {more} would shard that state to {state * plan['num_learner_ranks'] / more / GIB:.1f} "
-                         f"GiB a rank")
-    if device["activations"] > min(room / 4, room - state):
-        notes += activation_advice(cfg, device["activations"])
-    return notes
-
-
-def learners_that_fit(cfg: Config, plan: dict[str, Any], room: int) -> Optional[int]:
-    """The fewest learner ranks (more than now) that split a step's sequences evenly and shard
-    the learner state small enough for ``room``; None when none does."""
-    device, learners = plan["learner_rank"]["device"], plan["num_learner_ranks"]
-    state = device["params"] + device["grads"] + device["optimizer"]
-    sequences = cfg.rollout.prompts_per_step * cfg.rollout.sample_num
-    per_rank = cfg.optim.per_device_batch_size * cfg.optim.gradient_accumulation_steps
-    for k in range(learners + 1, sequences // per_rank + 1):
-        scale = learners / k  # every item of the state is a shard's multiple
-        if sequences % (per_rank * k) == 0 and state * scale + max(device["activations"],
-                                                                    device["optimizer_step"] * scale) <= room:
-            return k
-    return None
-
-
-def activation_advice(cfg: Config, activations: int) -> list[str]:
-    notes = []
-    if not cfg.model.gradient_checkpointing:
-        notes.append(f"gradient_checkpointing: true recomputes the activations ({activations / GIB:.1f} GiB) in "
-                     f"backward, keeping one layer's")
-    batch, accumulation = cfg.optim.per_device_batch_size, cfg.optim.gradient_accumulation_steps
-    if batch > 1:
-        smaller = max(d for d in range(1, batch) if batch % d == 0)
-        notes.append(f"per_device_batch_size {smaller} with gradient_accumulation_steps {accumulation * batch // smaller} "
-                     f"(the same mini-batch) shrinks the activations about {batch // smaller}x")
-    else:
-        notes.append(f"a shorter max_response_length: the activations are a micro-batch's of 1 x "
-                     f"{cfg.data.max_prompt_length + cfg.rollout.max_response_length} tokens")
-    return notes
-
-
-def host_advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
-    if plan["checks"]["host"] is not False:
-        return []
-    node, notes = plan["nodes"][plan["most_loaded_node"]], []
-    host, memory = plan["learner_rank"]["host"], plan["device_memory"]
-    if plan["host_memory_from"] != "host_memory_gb":  # a plan made on another machine than the run's
-        notes.append("host_memory_gb: the host memory of a node that will run it, if this machine is not one")
-    if cfg.model.learner_offload and node["learner_ranks"] and memory is not None:
-        on_device = learner_device_without_offload(plan)
-        if on_device <= memory:
-            moved = node["learner_ranks"] * sum(host[k] for k in ("params", "grads", "optimizer", "optimizer_step"))
-            notes.append(f"learner_offload: false moves {moved / GIB:.1f} GiB of node {node['node']}'s host memory "
-                         f"to the learners' devices, which have room ({on_device / GIB:.1f} of {memory / GIB:.1f} GiB)")
-    notes += more_nodes_advice(plan)
-    if host["checkpoint_copy"] and node["learner_ranks"]:
-        copy = node["learner_ranks"] * host["checkpoint_copy"]
-        notes.append(f"node {node['node']} holds {copy / GIB:.1f} GiB of checkpoint copies while a checkpoint is "
-                     f"written ({(node['host'] - copy) / GIB:.1f} GiB without them): save_every changes how often, "
-                     f"not how much; only save_every 0 (no checkpoints) drops them")
-    return notes
-
-
-def more_nodes_advice(plan: dict[str, Any]) -> list[str]:
-    """The fewest nodes (more than now) over which the same ranks fit; else how many learner
-    ranks, spread over nodes of the same size, would split the learners' host memory enough."""
-    world, learners, have = plan["ranks_per_node"] * len(plan["nodes"]), plan["num_learner_ranks"], plan["host_memory"]
-    if world == 1:
-        return []
-    learner_host, rollout_host = plan["learner_rank"]["host"]["total"], plan["rollout_rank_host_at_start"]
-    for nodes in (n for n in range(len(plan["nodes"]) + 1, world + 1) if world % n == 0):
-        need = max(node["host"] for node in node_hosts(world, nodes, learners, learner_host, rollout_host))
-        if need <= have:
-            per_node = world // nodes
-            return [f"--nnodes {nodes} ({per_node} rank{'s' * (per_node > 1)} a node): the most loaded node would "
-                    f"need {need / GIB:.1f} GiB"]
-    per_node, all_learners = plan["ranks_per_node"], learners * learner_host
-    wanted = math.ceil(per_node * all_learners / have)  # a node full of learners holds per_node of them
-    if wanted <= learners:
-        return []
-    ranks = world - learners + wanted
-    return [f"the learners' host memory ({all_learners / GIB:.1f} GiB in all) is split over learner_ranks, and a "
-            f"node of {per_node} ranks holds {per_node} of them at most: about learner_ranks {wanted} "
-            f"({ranks} ranks, {math.ceil(ranks / per_node)} nodes of {per_node}; a step's sequences split over them) "
-            f"would fit"]
-
-
-def disk_advice(cfg: Config, plan: dict[str, Any]) -> list[str]:
-    if plan["checks"]["disk"] is not False:
-        return []
-    ck, free, notes = plan["checkpoint"], plan["disk_free"], []
-    need = {keep: checkpoint_disk(replace(cfg.run, keep_last=keep), ck["per_step"], ck["export_bytes"])
-            for keep in range(1, ck["keep_last"] + 1)}
-    fitting = [keep for keep in need if need[keep]["disk_need"] <= free]
-    if fitting:
-        keep = max(fitting)
-        notes.append(f"keep_last {keep}: {need[keep]['copies']} checkpoints on disk at once, "
-                     f"{need[keep]['disk_need'] / GIB:.1f} GiB")
-    else:
-        notes.append(f"not even keep_last 1 fits ({need[1]['disk_need'] / GIB:.1f} GiB: one checkpoint kept, one "
-                     f"being written): put output_dir on a disk with more room (disk_gb: what is free there)")
-    if ck["exports"] > 1:
-        notes.append(f"hf_export_every 0 (Hugging Face weights in the last checkpoint only) needs "
-                     f"{(ck['exports'] - 1) * ck['export_bytes'] / GIB:.1f} GiB less")
-    return notes
-
-
-def rank_lines(plan: dict[str, Any]) -> list[str]:
-    """What a rollout rank and a learner rank hold (and one process, both roles on one device)."""
-    gib = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
-    rollout, learner = plan["rollout_rank"], plan["learner_rank"]
-    lines = [f"model: {plan['model']['params'] / 1e9:.2f}B parameters; {plan['layout']}",
-             "rollout rank (device):" if plan["rollout_tensor_parallel"] == 1 else
-             f"rollout rank (device; the busiest of an engine's {plan['rollout_tensor_parallel']}, its engine rank's):"]
-    lines += [f"  {k:<16} {gib(v)}" for k, v in rollout.items()]
-    if "vllm" in plan:
-        vllm, share = plan["vllm"], plan["vllm"]["gpu_memory_utilization"]
-        split = plan["rollout_tensor_parallel"]
-        per_device = f"; a device of {split}, tensor parallel" if split > 1 else ""
-        lines.append(f"  vLLM engine: weights {gib(rollout['weights']).strip()}, KV cache "
-                     f"{gib(vllm['kv_cache_memory_bytes']).strip()}{per_device} (kv_cache_memory_bytes on CPU; "
-                     f"gpu_memory_utilization {share if share is not None else 'unknown'} on a device; no CUDA "
-                     f"graphs: eager)")
-    reward = plan["reward_model"]
-    if reward is not None and reward["bytes"] is None:
-        lines.append(f"  {'reward_model':<16} not counted: {reward['path']} has no config.json (nor in the fit)")
-    lines.append(f"rollout rank (host, at start-up): {gib(plan['rollout_rank_host_at_start']).strip()}")
-    for where in ("device", "host"):
-        lines.append(f"learner rank ({where}):")
-        lines += [f"  {k:<16} {gib(v)}" for k, v in learner[where].items()]
-    single = plan["one_process"]
-    if single is not None:
-        lines.append("one process, both roles on one device:")
-        lines += [f"  {k:<16} {gib(single[k])}" for k in ("learner", "rollout", "steady_state")]
-        lines.append(f"  {'start_up':<16} {gib(single['start_up'])}  (learner params + "
-                     f"{single['fp32_rollout_copy'] / GIB:.2f} GiB fp32 rollout copy)")
-        lines.append(f"  {'peak':<16} {gib(single['total'])}  at {single['peak_at']}")
-    return lines
-
-
-def node_lines(plan: dict[str, Any]) -> list[str]:
-    """Each node's host memory, nodes alike (same ranks' roles, not the lead) on one line."""
-    nodes, per_node = plan["nodes"], plan["ranks_per_node"]
-    lines = [f"host memory per node ({len(nodes)} node{'s' * (len(nodes) > 1)} of {per_node} "
-             f"rank{'s' * (per_node > 1)}):"]
-    groups: list[list[dict[str, Any]]] = []
-    for node in nodes:
-        alike = groups and not node["lead"] and not groups[-1][-1]["lead"] and groups[-1][-1]["host"] == node["host"]
-        groups[-1].append(node) if alike else groups.append([node])
-    names = [node_name(group[0]) if len(group) == 1 else
-             f"nodes {group[0]['node']}-{group[-1]['node']} ({node_roles(group[0])} each)" for group in groups]
-    width = max(len(name) for name in names)
-    lines += [f"  {name:<{width}} {plan_gib(group[0]['host'])}" for name, group in zip(names, groups)]
-    lines.append(f"checkpoint: {plan_gib(plan['checkpoint']['per_step'])} per step, "
-                 f"{plan_gib(plan['checkpoint']['per_learner_rank'])} written by each learner rank")
-    return lines
-
-
-def plan_gib(n: int) -> str:
-    return f"{n / GIB:9.2f} GiB"
-
-
-def check_lines(plan: dict[str, Any]) -> list[str]:
-    """Device, host per node, disk: what is needed, what there is, and whether it fits."""
-    verdict = {True: "fits", False: "DOES NOT FIT"}
-    checks, lines = plan["checks"], []
-    if plan["device_memory"] is None:
-        lines.append("device memory: unknown (set device_memory_gb): fit not checked")
-    else:
-        margin = plan["device_memory"] - plan["device_need"]
-        lines.append(f"device memory: {plan_gib(plan['device_memory'])}: {verdict[checks['device']]} (the busiest "
-                     f"device needs {plan['device_need'] / GIB:.2f} GiB: {abs(margin) / GIB:.2f} GiB "
-                     f"{'to spare' if margin >= 0 else 'short'})")
-    need = f"need {plan['node_host_total'] / GIB:.2f}"
-    if plan["host_memory"] is None:
-        lines.append(f"host memory per node: {need} GiB, available unknown (set host_memory_gb): not checked")
-    else:
-        where = "" if checks["host"] else f" (node {plan['most_loaded_node']})"
-        lines.append(f"host memory per node: {need} of {plan['host_memory'] / GIB:.2f} GiB "
-                     f"({plan['host_memory_from']}): {verdict[checks['host']]}{where}")
-    disk = f"checkpoint disk: need {plan['checkpoint']['disk_need'] / GIB:.2f} GiB ({disk_sum(plan)})"
-    if plan["disk_free"] is None:
-        lines.append(f"{disk}, free unknown (set disk_gb): not checked")
-    else:
-        lines.append(f"{disk} of {plan['disk_free'] / GIB:.2f} GiB {plan['disk_free_from']}: {verdict[checks['disk']]}")
-    return lines
-
-
-def table(plan: dict[str, Any], notes: list[str]) -> str:
-    return "\n".join(rank_lines(plan) + node_lines(plan) + check_lines(plan) + [f"  - {note}" for note in notes])
-
-
-def write(plan: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(plan, indent=1) + "\n")
+def value_text(value: Any) -> str:
+    """A setting's value as a config file writes it (true/false for a bool)."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def record_usage(layout: Layout, plat: Platform, out_dir: Path) -> None:
@@ -777,34 +449,3 @@ def record_usage(layout: Layout, plat: Platform, out_dir: Path) -> None:
         return f"{max(values) / GIB:.2f}" if values else "-"
     peaks = [f"{role} {most(entries, 'host_peak')}/{most(entries, 'device_peak')}" for role, entries in roles.items()]
     log("peak memory per rank, host/device GiB: " + ", ".join(peaks) + " (memory_used.json)")
-
-
-def check(cfg: Config, derived: Derived, device_memory: Optional[int], *, with_reference: bool, plan_only: bool,
-          lead: bool) -> Optional[int]:
-    """``--plan``: print the plan, write OUTPUT_DIR/memory_plan.json and return the exit status:
-    0 when it fits, 1 when the device, a node's host memory or the disk does not. A run: None,
-    after refusing to start (UserError naming what does not fit) when the device (device_memory_gb
-    or what the device reports), the host memory of a node (host_memory_gb or MemTotal) or, with
-    disk_gb, the disk is known not to fit. Free space as the filesystem reports it is a warning
-    only: it changes while a run goes on, and the checkpointer warns again before each save."""
-    from transformers import AutoConfig
-
-    memory = int(cfg.run.device_memory_gb * GIB) if cfg.run.device_memory_gb else device_memory
-    capacity = machine_capacity(cfg)
-    model_config = AutoConfig.from_pretrained(cfg.model.model_path, local_files_only=True)
-    plan = make_plan(cfg, derived, model_config, memory, with_reference=with_reference, capacity=capacity)
-    if plan_only:
-        if lead or "WORLD_SIZE" not in os.environ:  # one line of output per job, not per rank
-            print(table(plan, advice(cfg, plan)), flush=True)
-            out = Path(cfg.run.output_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            write(plan, out / "memory_plan.json")
-        return 1 if plan["fits"] is False else 0
-    disk = disk_overflow(plan)
-    problems = [p for p in (biggest_overflow(plan), host_overflow(plan), None if capacity.disk_measured else disk) if p]
-    if problems:
-        raise UserError(f"the memory plan does not fit: {'; '.join(problems)} (python train_dapo.py --config ... "
-                        f"--plan shows it all)")
-    if disk and lead:
-        warn(f"{disk}: a save may fail for want of room; fewer keep_last, or another disk (--plan shows it all)")
-    return None

@@ -43,7 +43,8 @@ COLUMNS = [
     *ROLLOUT_CORRECTION,  # empty where rollout_is / rollout_rs is off
     "val_reward_mean", "val_acc",
     "alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit",
-    "step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "save_time_s", "overlap", "gen_tokens_per_s",
+    "step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "weight_transfer_s", "weight_load_s", "save_time_s",
+    "overlap", "gen_tokens_per_s",
 ]
 # Columns that measure wall time and so differ between otherwise identical runs.
 TIMING_COLUMNS = frozenset(c for c in COLUMNS if c.endswith("_s") or c in ("overlap", "gen_tokens_per_s"))

@@ -308,18 +308,22 @@ class SampleChannel:
     def __init__(self, layout: Layout, groups: Groups, device: torch.device, group_size: int) -> None:
         self.layout, self.groups, self.device, self.group_size = layout, groups, device, group_size
 
-    def send(self, batch: Optional[SampleBatch], malformed: int, seconds: float) -> int:
-        """A rollout rank: its share of a generation batch (None: no prompts for it); returns the answer."""
+    def send(self, batch: Optional[SampleBatch], malformed: int, seconds: float,
+             weight_sync: tuple[float, float]) -> int:
+        """A rollout rank: its share of a generation batch (None: no prompts for it), and the
+        (transfer, load) seconds of the weight sync before it; returns the answer."""
         with phase("sample transfer"):
-            gather_samples(batch, [seconds, malformed], self.layout, self.groups, self.device, self.group_size)
+            gather_samples(batch, [seconds, malformed, *weight_sync], self.layout, self.groups, self.device,
+                           self.group_size)
             return broadcast_flag(0, self.layout.lead_learner, self.groups.sync, self.device)
 
-    def receive(self, gen_index: int) -> tuple[list[SampleBatch], int, float]:
+    def receive(self, gen_index: int) -> tuple[list[SampleBatch], int, float, tuple[float, float]]:
         """The lead: generation batch ``gen_index`` of the step, as (batches, malformed responses,
-        seconds of the slowest rank)."""
+        seconds of the slowest rank, the slowest (transfer, load) of the weight syncs before it)."""
         with phase("sample transfer"):
-            pieces, table = gather_samples(None, [0.0, 0.0], self.layout, self.groups, self.device, self.group_size)
-        return pieces, int(table[:, 1].sum()), float(table[:, 0].max())
+            pieces, table = gather_samples(None, [0.0] * 4, self.layout, self.groups, self.device, self.group_size)
+        return pieces, int(table[:, 1].sum()), float(table[:, 0].max()), (float(table[:, 2].max()),
+                                                                          float(table[:, 3].max()))
 
     def answer(self, full: bool) -> None:
         with phase("sample transfer"):
@@ -417,6 +421,7 @@ class WeightBroadcast:
         self.plan = _buckets(self.sizes, bucket_mb * 2**20)
         self.buffer = torch.empty(max(sum(self.sizes[i] for i in bucket) for bucket in self.plan),
                                   dtype=torch.uint8, device=device)
+        self.seconds = (0.0, 0.0)  # the last receive's: (waiting for and taking the buckets, decoding them)
 
     def send(self, tensors: Iterable[torch.Tensor], version: int) -> None:
         """``tensors``: every parameter whole, in order, each taken only when its bucket is filled
@@ -435,12 +440,17 @@ class WeightBroadcast:
         """Decode the next version into place; returns its number."""
         wait_for_group(self.group)
         version = broadcast_flag(-1, self.src, self.group, self.device)
+        transfer = decode = 0.0
         with torch.no_grad():
             for bucket in self.plan:
                 filled = self.buffer[:sum(self.sizes[i] for i in bucket)]
+                start = time.perf_counter()
                 dist.broadcast(filled, src=self.src, group=self.group)
+                received = time.perf_counter()
                 for i, data in zip(bucket, filled.split([self.sizes[i] for i in bucket])):
                     self.format.decode(i, data)
+                transfer, decode = transfer + received - start, decode + time.perf_counter() - received
+        self.seconds = (transfer, decode)
         return version
 
 

@@ -296,6 +296,7 @@ class Rollout:
         # whose KV cache the memory plan counts.
         self.val_batch_size = math.ceil(cfg.rollout.prompts_per_step / self.num_shards) * cfg.rollout.sample_num
         self.weight_version = 0
+        self.weight_sync = (0.0, 0.0)  # (transfer, load) seconds of the syncs since take_weight_sync
         self.prompts = PromptStream([len(p) for p in train_set.prompt_ids], cfg.rollout.prompts_per_step,
                                     cfg.data.bucket_size, cfg.run.seed)
         if engine is None:
@@ -348,9 +349,11 @@ class Rollout:
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[torch.Tensor], version: int) -> None:
         """One process: the learner's weights into the engine, in the form they would travel
-        between ranks (so one process and several compute the same)."""
+        between ranks (so one process and several compute the same): a load, no transfer."""
+        start = time.perf_counter()
         self.engine.load_weights(tensors)
         self.weight_version = version
+        self.weight_sync = (self.weight_sync[0], self.weight_sync[1] + time.perf_counter() - start)
 
     def load_checkpoint_weights(self, folder: Path, version: int) -> None:
         """A resumed rollout rank: weights ``version`` from a checkpoint's learner shards, read a
@@ -360,7 +363,8 @@ class Rollout:
             return
         bucket_bytes = self.cfg.run.weight_sync_bucket_mb * 2**20
         with phase("checkpoint load"):
-            self.load_weights(ckpt.iter_full_weights(folder, self.engine.weights.names, bucket_bytes), version)
+            self.engine.load_weights(ckpt.iter_full_weights(folder, self.engine.weights.names, bucket_bytes))
+        self.weight_version = version
 
     def receive_weights(self, broadcast: Optional[WeightBroadcast]) -> int:
         """A rollout rank: the next weight version from the lead learner, by broadcast. A rank
@@ -370,17 +374,28 @@ class Rollout:
                 version = self.weight_version + 1
             else:
                 version = broadcast.receive()
+                start = time.perf_counter()
                 self.engine.finish_weights()
+                transfer, decode = broadcast.seconds
+                self.weight_sync = (self.weight_sync[0] + transfer,
+                                    self.weight_sync[1] + decode + time.perf_counter() - start)
         assert version == self.weight_version + 1, f"weights arrived out of order: v{version} after v{self.weight_version}"
         self.weight_version = version
         return version
+
+    def take_weight_sync(self) -> tuple[float, float]:
+        """The (transfer, load) seconds of the weight syncs since the last call: the broadcast's
+        buckets as this rank waited for them, and the engine taking them (decoding, vLLM's reload)."""
+        taken, self.weight_sync = self.weight_sync, (0.0, 0.0)
+        return taken
 
     def position(self) -> dict[str, int]:
         """Where this rank is in the prompt stream (saved in every checkpoint)."""
         return {"epoch": self.prompts.epoch, "cursor": self.prompts.cursor}
 
 
-Generated = tuple[list[SampleBatch], int, float]  # (batches, malformed responses, generation seconds)
+# (batches, malformed responses, generation seconds, (transfer, load) seconds of the weight syncs before them)
+Generated = tuple[list[SampleBatch], int, float, tuple[float, float]]
 
 
 class DynamicSampler:
@@ -402,11 +417,12 @@ class DynamicSampler:
             return collected
         cfg, target = self.cfg, self.cfg.prompts_per_step
         carried, generated = self.pool.num_groups, []
-        malformed, gen_time, gen_batches, informative = 0, 0.0, 0, 0
+        malformed, gen_time, gen_batches, informative, transfer, load = 0, 0.0, 0, 0, 0.0, 0.0
         while True:
             gen_batches += 1
-            pieces, bad, seconds = next_generation(gen_batches)
+            pieces, bad, seconds, (sync_transfer, sync_load) = next_generation(gen_batches)
             malformed, gen_time = malformed + bad, gen_time + seconds
+            transfer, load = transfer + sync_transfer, load + sync_load
             for batch in pieces:
                 generated.append(batch)
                 groups = keep_informative(batch, self.metric)
@@ -422,7 +438,7 @@ class DynamicSampler:
             if full:
                 break
         stats = self.generation_stats(generated, informative=informative, malformed=malformed, gen_time=gen_time)
-        stats.update(num_gen_batches=gen_batches, carried_groups=carried)
+        stats.update(num_gen_batches=gen_batches, carried_groups=carried, weight_transfer_s=transfer, weight_load_s=load)
         return self.pool.take(target), stats
 
     def generation_stats(self, generated: list[SampleBatch], *, informative: int, malformed: int,

@@ -27,6 +27,7 @@ import config
 import dapo_loss
 import dry_run
 import memory_plan
+import plan_advice
 import resuming
 import stopping
 from config import Config, Derived, Schedule, UserError, load_config, split_inspection, uses_fsdp, warnings_for
@@ -146,7 +147,7 @@ class Trainer:
                 gen_index += 1
                 with phase("generation"):
                     batch, malformed, seconds = self.rollout.generate_shard(step, gen_index)
-                flag = self.samples.send(batch, malformed, seconds)
+                flag = self.samples.send(batch, malformed, seconds, self.rollout.take_weight_sync())
         while self.rollout.weight_version < run.max_steps:
             self.receive_weights()
 
@@ -213,7 +214,7 @@ class Trainer:
 
         def generate_here(gen_index: int) -> Generated:
             batch, malformed, seconds = self.rollout.generate_shard(step, gen_index)
-            return ([batch] if batch is not None else []), malformed, seconds
+            return ([batch] if batch is not None else []), malformed, seconds, self.rollout.take_weight_sync()
         return self.sampler.collect(step, generate_here, answer=lambda full: None)
 
     def hand_off(self, version: int, collected: Optional[Collected]) -> Optional[float]:
@@ -300,8 +301,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         check_inputs(cfg, reads_data=inspection is None)  # before anything loads and output_dir is written
         if inspection == "dry_run":
             return dry_run.run(cfg, derived)
-        if (status := memory_plan.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
-                                        plan_only=inspection == "plan", lead=lead)) is not None:
+        if (status := plan_advice.check(cfg, derived, plat.memory_bytes(), with_reference=uses_reference_model(cfg),
+                                        plan_only=inspection == "plan", lead=lead, platform_kind=plat.kind)) is not None:
             return status  # --plan: 0 when it fits, 1 when it does not
         check_engine(cfg, plat)  # vLLM installed, FP8 available: before output_dir is written
         check_reward_on_data(cfg)

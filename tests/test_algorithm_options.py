@@ -267,7 +267,7 @@ def test_dynamic_sampling_metric_defaults_to_acc_for_rules_and_reward_for_reward
     both = type(right_and_wrong).concat([wrong_but_long, right_and_wrong])
     for metric, trained_prompt, informative in (("acc", 1, 1 / 2), ("reward", 0, 2 / 2)):
         sampler = DynamicSampler(load_config(["--prompts_per_step", "1"]).rollout, metric, reports_acc=True)
-        batch, stats = sampler.collect(1, lambda k: ([both], 0, 0.0), lambda full: None)
+        batch, stats = sampler.collect(1, lambda k: ([both], 0, 0.0, (0.0, 0.0)), lambda full: None)
         assert set(batch.prompt_index.tolist()) == {trained_prompt} and stats["informative_frac"] == informative
 
 
@@ -278,11 +278,12 @@ def test_dynamic_sampling_pools_generation_batches_and_carries_the_surplus():
                     fake_batch([0, 1, 1, 0, 1, 0], 2, first_prompt=3),  # 3 more (prompts 3, 4, 5)
                     fake_batch([1, 0, 1, 0, 0, 0], 2, first_prompt=6)])  # 2 more (prompts 6, 7)
     answers = []
-    batch, stats = sampler.collect(1, lambda k: ([next(batches)], k, 0.5), answers.append)
+    batch, stats = sampler.collect(1, lambda k: ([next(batches)], k, 0.5, (0.25 * k, 0.125)), answers.append)
     assert answers == [False, True] and stats["num_gen_batches"] == 2 and stats["carried_groups"] == 0
     assert batch.prompt_index.tolist() == [0, 0, 3, 3, 4, 4] and sampler.pool.num_groups == 1
     assert stats["informative_frac"] == 4 / 6 and stats["reward_malformed"] == 1 + 2 and stats["gen_time_s"] == 1.0
-    batch, stats = sampler.collect(2, lambda k: ([next(batches)], 0, 0.5), answers.append)
+    assert (stats["weight_transfer_s"], stats["weight_load_s"]) == (0.25 + 0.5, 0.125 * 2)  # the syncs of both batches
+    batch, stats = sampler.collect(2, lambda k: ([next(batches)], 0, 0.5, (0.0, 0.0)), answers.append)
     assert stats["carried_groups"] == 1 and batch.prompt_index.tolist() == [5, 5, 6, 6, 7, 7]
     assert answers[2:] == [True] and sampler.pool.num_groups == 0
 

@@ -263,20 +263,22 @@ def tensor_parallel_job(assets: Path, out: Path, steps: int, *extra: str) -> str
     return printed
 
 
-def test_two_tensor_parallel_engines_take_synced_weights_and_sample_as_one_process(one_process_runs, assets, tmp_path):
-    """Two steps with a checkpoint each. Weights reach both devices of each engine (the engines'
-    log-probs are the learner's after every sync), and the samples are the one-process run's
-    (per-sample seeds): its validation of the base model and everything its first step generated.
-    (A resume of this job from checkpoint 1 repeats step 2 bit for bit; measured, not in the suite:
-    a second job of 11 processes costs the suite ~2 minutes.)"""
+def test_two_tensor_parallel_engines_take_synced_weights_resume_exactly_and_sample_as_one_process(
+        one_process_runs, assets, tmp_path):
+    """Two steps with a checkpoint each, then a second job resumed from checkpoint 1. Weights
+    reach both devices of each engine (the engines' log-probs are the learner's after every sync,
+    and after the resumed job's checkpoint load); step 2 from the checkpoint is step 2 again, bit
+    for bit; and the samples are the one-process run's (per-sample seeds): its validation of the
+    base model and everything its first step generated."""
     out = tmp_path / "tp2"
     printed = tensor_parallel_job(assets, out, 2)
     assert "rank 1: rollout: engine 0's device 2 of 2, no model" in printed  # in the job, holding nothing
     assert "rank 3: rollout: engine 1's device 2 of 2, no model" in printed
-    rows = rows_of(out)
+    rows, weights = rows_of(out), weights_of(out, 2)
     assert [r["step"] for r in rows] == ["0", "1", "2"]
-    assert (out / "checkpoints" / "step_00000001" / "COMPLETE").is_file() and weights_of(out, 2)
     assert all(float(r["engine_mismatch_mean"]) < TOLERANCE for r in rows[1:])
+    tensor_parallel_job(assets, out, 2, "--resume_from_checkpoint", str(out / "checkpoints" / "step_00000001"))
+    assert rows_of(out) == rows and weights_of(out, 2) == weights
     alone = rows_of(one_process_runs / "a")
     for column in ("val_reward_mean", "val_acc"):
         assert float(rows[0][column]) == pytest.approx(float(alone[0][column]), abs=1e-9), column
@@ -300,7 +302,10 @@ def test_plan_shows_the_vllm_engines_weights_and_kv_cache_for_the_30b_config(tmp
             str(ROOT / "configs" / "models" / "qwen3-30b-a3b"), "--output_dir", str(tmp_path), "--plan",
             "--host_memory_gb", "1024", "--disk_gb", "2048"]  # the target node's, not this machine's
     assert train_dapo.main(argv) == 0
-    assert "vLLM engine: weights 29.11 GiB, KV cache 18.00 GiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "vLLM engine: weights 29.11 GiB, KV cache 18.00 GiB" in out
+    # README "Which rollout fits which device": vLLM in FP8 at 64 GiB (the config's device_memory_gb)
+    assert "64.00 GiB: fits (the busiest device needs 53.25 GiB: 10.75 GiB to spare)" in out
     plan = json.loads((tmp_path / "memory_plan.json").read_text())
     assert plan["rollout_engine"] == "vllm"
     assert plan["vllm"]["kv_cache_memory_bytes"] == plan["rollout_rank"]["kv_cache"]

@@ -1,6 +1,8 @@
 """The memory plan against bytes counted by hand, on the demo model and on Qwen3-30B-A3B."""
 import json
 import math
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -10,7 +12,8 @@ import pytest
 
 import train_dapo
 from config import Derived, RunConfig, load_config
-from memory_plan import GIB, Capacity, advice, biggest_overflow, checkpoint_disk, checkpoint_room, make_plan, table
+from memory_plan import GIB, Architecture, Capacity, checkpoint_disk, checkpoint_room, make_plan
+from plan_advice import Planning, Suggestion, advice, advise, biggest_overflow, planned_kind, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +109,9 @@ def test_a_reward_model_is_counted_on_each_rollout_rank_in_the_rollouts_compute_
         assert plan["reward_model"]["params"] == params
         assert rollout["reward_model"] == params * bytes_per_param
         assert rollout["total"] == without["rollout_rank"]["total"] + params * bytes_per_param
+        assert (f"  reward_model     {params * bytes_per_param / GIB:9.2f} GiB  "
+                f"({params * bytes_per_param / rollout['total']:.0%} of the rollout device)") in table(plan, [])
+        assert "  reward_model     none (reward_fn math_answer scores)" in table(without, [])
         assert plan["learner_rank"] == without["learner_rank"]  # the learners never load it
         # A device with room for the rollout rank's policy side but not for its reward model too.
         tight = make_plan(cfg, Derived.of(cfg, 8), model_config, rollout["total"] - 1, with_reference=False)
@@ -197,6 +203,9 @@ def test_the_30b_plan_prints_fast_fits_with_its_settings_and_matches_a_hand_coun
     # 30.5B x (4 + 4 + 8) bytes over 2 learners, plus the bf16 KL reference (kl_coef_init 0.05), in host memory.
     assert host["params"] + host["grads"] + host["optimizer"] == pytest.approx(params * 18 / 2, rel=1e-6)
     assert plan["fits"] is True and "device memory:     64.00 GiB: fits" in proc.stdout
+    # README "Which rollout fits which device", the config's row at 64 GiB
+    assert "(the busiest device needs 53.25 GiB: 10.75 GiB to spare)" in proc.stdout
+    assert plan["learner_rank"]["device"]["total"] == pytest.approx(13.25 * 2**30, abs=0.005 * 2**30)
     assert "rollout_dtype fp8 is needed: with bf16 weights" in proc.stdout  # 81 GiB a rank with bf16 weights
     assert "learner_offload is needed: without it a learner rank would need 312.8 GiB" in proc.stdout
 
@@ -208,7 +217,8 @@ def test_without_offload_the_30b_plan_says_the_learners_need_it(tmp_path):
     assert device["params"] + device["grads"] + device["optimizer"] == pytest.approx(
         plan["model"]["params"] * 18 / 2, rel=1e-6)  # 275 GB on a 64 GB device
     assert plan["fits"] is False and "DOES NOT FIT" in proc.stdout
-    assert "the learners need learner_offload: true" in proc.stdout
+    assert "  - learner_offload true (parameters, gradients and AdamW state, 255.9 GiB a rank, in host memory): " \
+           "re-planned: a learner device needs 13.2 GiB of 64.0 GiB, fits" in proc.stdout
 
 
 def test_a_tensor_parallel_vllm_rollout_is_planned_per_device_and_advised_where_one_device_is_short(tmp_path,
@@ -222,8 +232,8 @@ def test_a_tensor_parallel_vllm_rollout_is_planned_per_device_and_advised_where_
     assert train_dapo.main([*argv, "--output_dir", str(tmp_path / "one"), "--plan"]) == 1
     out = capsys.readouterr().out
     assert "64.00 GiB: DOES NOT FIT (the busiest device needs 81.01 GiB: 17.01 GiB short)" in out
-    assert ("rollout_tensor_parallel 2 (one vLLM engine over 2 devices, 3 engines) would bring a rollout device to "
-            "51.4 GiB") in out
+    assert ("rollout_tensor_parallel 2 (one vLLM engine over 2 devices, 3 engines): re-planned: a rollout device "
+            "needs 51.4 GiB of 64.0 GiB, fits") in out
     assert train_dapo.main([*argv, "--output_dir", str(tmp_path / "two"), "--rollout_tensor_parallel", "2",
                             "--plan"]) == 0
     out = capsys.readouterr().out
@@ -280,7 +290,8 @@ def test_plan_16_on_two_nodes_of_8_gives_each_node_its_own_ranks_host_memory(tmp
     assert one["nodes"] == [{"node": 0, "ranks": [0, 15], "rollout_ranks": 14, "learner_ranks": 2, "lead": True,
                              "host": 2 * learner + 14 * rollout}]
     assert "host memory per node: need 1003.55 of 1000.00 GiB (host_memory_gb): DOES NOT FIT (node 0)" in out
-    assert "  - --nnodes 2 (8 ranks a node): the most loaded node would need 982.5 GiB" in out
+    assert ("  - --plan 16 --nnodes 2 (torchrun --nproc_per_node 8 --nnodes 2): re-planned: node 1 needs 982.5 GiB "
+            "of 1000.0 GiB, fits") in out
     # Two nodes of 8: ranks 0-7 roll out; on node 1, ranks 8-13 roll out and 14-15 learn (14 leads).
     assert train_dapo.main(argv_30b(tmp_path / "two", "--plan", "16", "--nnodes", "2", *TARGET_NODE,
                                     "--host_memory_gb", "1000")) == 0
@@ -303,17 +314,26 @@ def test_host_memory_that_does_not_fit_ends_the_plan_with_status_1_and_advice(tm
     plan = json.loads((tmp_path / "memory_plan.json").read_text())
     assert plan["fits"] is False and plan["checks"] == {"device": True, "host": False, "disk": True}
     assert "host memory per node: need 982.55 of 100.00 GiB (host_memory_gb): DOES NOT FIT (node 0)" in out
-    # A node holds at most 8 learner ranks, and the 2 learners' host memory splits over all of them.
-    wanted = math.ceil(8 * 2 * learner / (100 * GIB))
-    assert wanted == 78 and f"about learner_ranks 78 ({6 + wanted} ranks, 11 nodes of 8;" in out
-    assert "node 0 holds 341.2 GiB of checkpoint copies while a checkpoint is written (641.3 GiB without them)" in out
-    assert "learner_offload: " not in out  # on, and the devices have no room for the learner state
+    # A node holds at most 8 learner ranks, and a step's 256 sequences split over 8 of 32 at most: learner_ranks 8
+    # on the second of two nodes of 8 still hold all the learners' host memory there (rollout ranks moved off).
+    c = json.loads((MODEL_30B / "config.json").read_text())
+    eighth = math.ceil(hand_count(c)["params"] / 8)
+    assert ("learner_ranks 8 with --plan 16 --nnodes 2 (torchrun --nproc_per_node 8 --nnodes 2) splits the learners' "
+            f"host memory over more of them: still does not fit: node 1 needs {8 * 34 * eighth / GIB:.1f} GiB of "
+            f"100.0 GiB") in out
+    copies = 2 * 12 * math.ceil(hand_count(c)["params"] / 2)  # both learners' weight and AdamW shards
+    assert (f"  - async_save false frees the {copies / GIB:.1f} GiB of checkpoint copies node 0 holds while a "
+            f"checkpoint is written; the step then waits about {copies / GIB:.0f} s a save (at disk_write_gb_per_s 1): "
+            f"still does not fit: node 0 needs {(plan['node_host_total'] - copies) / GIB:.1f} GiB of 100.0 GiB") in out
+    assert "learner_offload false" not in out  # on, and the devices have no room for the learner state
+    assert learner * 2 - copies == plan["node_host_total"] - copies - 6 * plan["rollout_rank_host_at_start"]
 
 
 def test_checkpoints_that_do_not_fit_the_disk_end_the_plan_with_status_1_and_a_keep_last_that_would(tmp_path, capsys):
     params = hand_count(json.loads((MODEL_30B / "config.json").read_text()))["params"]
     per_step, export = 12 * params, 2 * params  # fp32 weights and AdamW's moments; a bf16 Hugging Face export
-    for disk, says in (("1100", f"keep_last 2: 3 checkpoints on disk at once, {(3 * per_step + export) / GIB:.1f} GiB"),
+    for disk, says in (("1100", f"keep_last 2 (3 checkpoints on disk at once): re-planned: the checkpoints need "
+                                f"{(3 * per_step + export) / GIB:.1f} GiB of 1100.0 GiB, fits"),
                        ("10", f"not even keep_last 1 fits ({(2 * per_step + export) / GIB:.1f} GiB")):
         assert train_dapo.main(argv_30b(tmp_path / disk, "--plan", *TARGET_NODE, "--disk_gb", disk)) == 1
         out = capsys.readouterr().out
@@ -326,23 +346,185 @@ def test_checkpoints_that_do_not_fit_the_disk_end_the_plan_with_status_1_and_a_k
         assert f"  - {says}" in out
 
 
-def test_advice_never_names_a_setting_that_is_already_on(capsys):
+@pytest.fixture(scope="module")
+def planning_30b():
+    """Planning of the 30B config with extra settings, on a given device, host, disk and layout;
+    the architecture counted once (seconds)."""
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(MODEL_30B)
-    nothing_fits = Capacity(host_memory=GIB, host_from="host_memory_gb", disk_free=GIB, disk_from="free (disk_gb)")
-    suggestions = ("learner_offload: true", "gradient_checkpointing: true", "rollout_dtype: fp8")
-    for value, suggested in ((("true", "true", "fp8"), False), (("false", "false", "bf16"), True)):
-        cfg = load_config(argv_30b(Path("unused"), "--learner_offload", value[0], "--gradient_checkpointing", value[1],
-                                   "--rollout_dtype", value[2]))
-        plan = make_plan(cfg, Derived.of(cfg, 8), model_config, GIB, with_reference=True, capacity=nothing_fits)
+    arch = Architecture.of(model_config)
+
+    def planning(*extra: str, device_gb: float = 64, host_gb: float = 1024, disk_gb: float = 2048, world: int = 8,
+                 nodes: int = 1) -> Planning:
+        cfg = load_config(argv_30b(Path("unused"), *extra))
+        capacity = Capacity(int(host_gb * GIB), "host_memory_gb", int(disk_gb * GIB), "free (disk_gb)")
+        return Planning(cfg, Derived.of(cfg, world, nodes), model_config, arch, int(device_gb * GIB), True, capacity,
+                        planned_kind(cfg.run.device, "cpu"))
+    return planning
+
+
+def test_advice_never_names_a_setting_that_is_already_on(planning_30b):
+    cases = ((("--learner_offload", "true", "--gradient_checkpointing", "true", "--rollout_dtype", "fp8"), ()),
+             (("--learner_offload", "true", "--gradient_checkpointing", "false", "--rollout_dtype", "bf16"),
+              ("gradient_checkpointing true", "rollout_dtype fp8")),
+             (("--learner_offload", "false", "--rollout_dtype", "fp8"), ("learner_offload true",)))
+    for extra, expected in cases:
+        planning = planning_30b(*extra, device_gb=1, host_gb=1, disk_gb=1)
+        plan = planning.plan()
         assert plan["checks"] == {"device": False, "host": False, "disk": False}
-        notes = "\n".join(advice(cfg, plan))
-        for suggestion in suggestions:
-            assert (suggestion in notes) is suggested, (suggestion, notes)
+        notes = "\n".join(advice(planning, plan))
+        for suggestion in ("learner_offload true", "gradient_checkpointing true", "rollout_dtype fp8 brings"):
+            assert (suggestion in notes) is any(suggestion.startswith(e) for e in expected), (suggestion, notes)
         # Every check that does not fit has its advice: the KV cache, the activations, host, disk.
-        assert "the KV cache (" in notes and "per_device_batch_size 2 with gradient_accumulation_steps 16" in notes
-        assert "checkpoint copies" in notes and "not even keep_last 1 fits" in notes
+        assert "the KV cache (" in notes and "async_save false frees" in notes and "not even keep_last 1 fits" in notes
+        # Smaller micro-batches help where the activations are the learner device's peak: with offload.
+        assert ("per_device_batch_size 2, gradient_accumulation_steps 16 (the same mini-batch)" in notes) is \
+            (extra[1] == "true")
+
+
+LEARNER_DEVICE = lambda plan: plan["learner_rank"]["device"]["total"]  # noqa: E731
+NEEDS = {"device": lambda plan: plan["device_need"], "rollout": lambda plan: plan["rollout_rank"]["total"],
+         "learner": LEARNER_DEVICE, "host": lambda plan: plan["node_host_total"],
+         "disk": lambda plan: plan["checkpoint"]["disk_need"]}
+
+
+def user_applied(planning: Planning, extra: tuple[str, ...], suggestion: Suggestion) -> tuple[dict, Derived]:
+    """The plan of the run of ``extra`` given the suggestion's settings after them on its command
+    line, laid out as it says (load_config and Derived.of raise what the run would refuse)."""
+    flags = [text for key, value in suggestion.changes
+             for text in (f"--{key}", str(value).lower() if isinstance(value, bool) else str(value))]
+    cfg = load_config(argv_30b(Path("unused"), *extra, *flags))
+    derived = Derived.of(cfg, suggestion.world_size or planning.derived.world_size,
+                         suggestion.nodes or planning.derived.nodes)
+    return make_plan(cfg, derived, planning.model_config, planning.device_memory, with_reference=True,
+                     capacity=planning.capacity, arch=planning.arch), derived
+
+
+FAILING_30B = {  # the plans of issue 35, each not fitting one way
+    "141 GiB without offload": dict(extra=("--learner_offload", "false"), device_gb=141, host_gb=1536, disk_gb=2000),
+    "64 GiB, vLLM in bf16": dict(extra=("--rollout_engine", "vllm", "--rollout_dtype", "bf16")),
+    "a small host": dict(extra=(), host_gb=100),
+    "a small disk": dict(extra=(), disk_gb=1100),
+}
+
+
+@pytest.mark.parametrize("case", FAILING_30B)
+def test_every_printed_suggestion_is_accepted_by_the_run_and_its_replan_fits_or_helps(planning_30b, case):
+    settings = dict(FAILING_30B[case])
+    extra = settings.pop("extra")
+    planning = planning_30b(*extra, **settings)
+    plan = planning.plan()
+    assert plan["fits"] is False
+    lines = advise(planning, plan)
+    suggested = [(text, suggestion) for text, suggestion in lines if suggestion is not None]
+    assert suggested, lines
+    for text, suggestion in suggested:
+        after, derived = user_applied(planning, extra, suggestion)  # raises if the run refuses it
+        need = NEEDS[suggestion.check]
+        fits = need(after) <= (plan["host_memory"] if suggestion.check == "host" else
+                               plan["disk_free"] if suggestion.check == "disk" else plan["device_memory"])
+        assert fits or need(after) < need(plan), text
+        said = ": re-planned: " in text and text.endswith(", fits") if fits else ": still does not fit: " in text
+        assert said, text
+        if (derived.world_size, derived.nodes) != (8, 1):  # the layout it needs is named, for --plan and torchrun
+            spread = f" --nnodes {derived.nodes}" if derived.nodes > 1 else ""
+            assert (f"--plan {derived.world_size}{spread} (torchrun --nproc_per_node "
+                    f"{derived.world_size // derived.nodes}{spread})") in text
+        learners = dict(suggestion.changes).get("learner_ranks")
+        assert learners is None or derived.world_size > learners  # never "learner_ranks 8" on 8 ranks
+    texts = "\n".join(text for text, _ in lines)
+    if case == "141 GiB without offload":
+        eighth = math.ceil(plan["model"]["params"] / 8)
+        # fp32 weights 4, the bf16 KL reference 2, gradients 4, AdamW 8; then AdamW's step temporary or the activations
+        on_device = 18 * eighth + max(plan["learner_rank"]["device"]["activations"], 4 * eighth)
+        assert (f"learner_ranks 8 with --plan 16 --nnodes 2 (torchrun --nproc_per_node 8 --nnodes 2) shards that "
+                f"state over them: re-planned: a learner device needs {on_device / GIB:.1f} GiB of 141.0 GiB, "
+                f"fits") in texts
+        assert "learner_offload true (parameters, gradients and AdamW state" in texts
+    if case == "64 GiB, vLLM in bf16":
+        assert "rollout_tensor_parallel 2 (one vLLM engine over 2 devices, 3 engines): re-planned" in texts
+
+
+def test_a_suggestion_the_named_device_cannot_run_is_never_printed(planning_30b):
+    vllm_fp8 = Suggestion((("rollout_dtype", "fp8"),), "rollout")
+    for device, accepted in (("npu", False), ("cuda", True), ("auto", True)):
+        planning = planning_30b("--rollout_engine", "vllm", "--rollout_dtype", "bf16", "--device", device)
+        assert (planning.changed(vllm_fp8) is not None) is accepted
+        texts = "\n".join(advice(planning, planning.plan()))
+        assert ("rollout_dtype fp8 brings the rollout weights" in texts) is accepted
+        assert "rollout_engine builtin, rollout_dtype fp8 (our FP8: on npu too): re-planned" in texts
+    # --device auto plans for the accelerator found, and for every kind on a CPU.
+    assert [planned_kind("auto", "npu"), planned_kind("auto", "cpu"), planned_kind("cuda", "cpu")] == ["npu", None, "cuda"]
+    # learner_ranks 6 does not split 256 sequences into mini-batches of 32; 8 ranks cannot hold 8 learners.
+    planning = planning_30b("--learner_offload", "false")
+    assert planning.changed(Suggestion((("learner_ranks", 6),), "learner", world_size=16, nodes=2)) is None
+    assert planning.changed(Suggestion((("learner_ranks", 8),), "learner")) is None
+    assert planning.changed(Suggestion((("learner_ranks", 8),), "learner", world_size=16, nodes=2)) is not None
+
+
+def test_the_two_checkpoint_modes_are_the_hand_computed_ones(planning_30b):
+    learner, rollout = host_of_30b_ranks()
+    params = hand_count(json.loads((MODEL_30B / "config.json").read_text()))["params"]
+    shard = math.ceil(params / 2)
+    plan = planning_30b().plan()
+    ck = plan["checkpoint"]
+    true, false = ck["modes"]["true"], ck["modes"]["false"]
+    per_learner = 12 * shard  # fp32 weights and AdamW's two moments of a learner's shard
+    for mode in (true, false):
+        assert (mode["written_per_learner_rank"], mode["written_per_node"]) == (per_learner, 2 * per_learner)
+        assert mode["seconds_per_save"] == pytest.approx(2 * per_learner / GIB)  # 1 GiB/s a node by default
+        assert mode["disk_need"] == ck["disk_need"] == 4 * 12 * params + 2 * params
+    assert true["busiest_node_host"] == plan["node_host_total"] == 2 * learner + 6 * rollout
+    assert false["busiest_node_host"] == 2 * (learner - per_learner) + 6 * rollout  # no host copy
+    assert (true["step_waits_for_the_write_s"], false["step_waits_for_the_write_s"]) == (0, false["seconds_per_save"])
+    lines = table(plan, [])
+    assert (f"  host, busiest node   {true['busiest_node_host'] / GIB:>14.1f} GiB "
+            f"{false['busiest_node_host'] / GIB:>14.1f} GiB") in lines
+    assert f"  the step waits        for the host copy {f'{2 * per_learner / GIB:.0f} s a save':>18}" in lines
+    # Written in place, the plan holds no copy; the modes are the same numbers.
+    in_place = planning_30b("--async_save", "false", "--disk_write_gb_per_s", "2.5").plan()
+    assert in_place["learner_rank"]["host"]["checkpoint_copy"] == 0
+    assert in_place["node_host_total"] == in_place["checkpoint"]["modes"]["false"]["busiest_node_host"] == \
+        false["busiest_node_host"]
+    assert in_place["checkpoint"]["modes"]["false"]["seconds_per_save"] == pytest.approx(2 * per_learner / GIB / 2.5)
+    # 8 learners on the second of two nodes: each writes an eighth, the node all of it.
+    spread = planning_30b("--learner_ranks", "8", world=16, nodes=2).plan()["checkpoint"]["modes"]["true"]
+    assert spread["written_per_learner_rank"] == 12 * math.ceil(params / 8)
+    assert spread["written_per_node"] == 8 * 12 * math.ceil(params / 8)
+    assert planning_30b("--save_every", "0").plan()["checkpoint"]["modes"]["false"]["written_per_node"] == 0
+
+
+def readme_plan_command() -> list[str]:
+    """The command of README "Will it fit? The memory plan", as a shell reads it."""
+    section = (ROOT / "README.md").read_text().split("## Will it fit? The memory plan\n")[1].split("\n## ")[0]
+    block = re.search(r"\n    (python train_dapo\.py .*?)\n\n", section, re.S).group(1)
+    return shlex.split(block.replace("\\\n", " "))
+
+
+def test_the_readmes_plan_command_runs_as_written_and_fits(tmp_path, monkeypatch, capsys):
+    argv = readme_plan_command()
+    assert argv[:2] == ["python", "train_dapo.py"] and "--plan" in argv
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # its relative paths, and its runs/plan under tmp_path
+    monkeypatch.chdir(tmp_path)
+    assert train_dapo.main(argv[2:]) == 0
+    out = capsys.readouterr().out
+    checks = [line for line in out.splitlines() if line.startswith(("device memory:", "host memory per node:",
+                                                                     "checkpoint disk:"))]
+    assert len(checks) == 3 and all(": fits" in line for line in checks) and "DOES NOT FIT" not in out
+    # What the README says of it.
+    section = (ROOT / "README.md").read_text().split("## Will it fit? The memory plan\n")[1].split("\n## ")[0]
+    for number in ("312.8 GiB", "53.25 GiB", "13.25 GiB", "982.55 GiB"):
+        assert number in section and number in out, number
+    assert "  reward_model     none (reward_fn math_answer scores)" in out
+    assert ("  npu (Atlas A2/A3): builtin (FP8 as e4m3 codes in uint8) fp8, bf16, fp32; vllm (vllm-ascend: no FP8) "
+            "bf16, fp32; vllm there: rollout_engine vllm, rollout_dtype bf16, rollout_tensor_parallel 2: re-planned: "
+            "a rollout device needs 51.4 GiB of 64.0 GiB, fits") in out
+    assert "  cuda: builtin and vllm fp8, bf16, fp32" in out
+    plan = json.loads((tmp_path / "runs" / "plan" / "memory_plan.json").read_text())
+    assert plan["advice"] == [{"text": line.removeprefix("  - ")} for line in out.splitlines()
+                              if line.startswith("  - ")]
+    assert set(plan["checkpoint"]["modes"]) == {"true", "false"}
 
 
 def test_nodes_that_do_not_split_the_ranks_evenly_are_refused_in_one_line(tmp_path, capsys):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ranks import Layout, _buckets, pack, unpack
-from metrics import TIMING_COLUMNS
+from metrics import TIMING_COLUMNS, read_metrics
 from tests.test_rollout import fake_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,3 +156,8 @@ def test_two_ranks_reproduce_the_one_process_run(demo_assets, tmp_path, rollout_
     weights = [(tmp_path / n / "checkpoints" / "step_00000003" / "model" / "model.safetensors").read_bytes()
                for n in ("one", "two")]
     assert weights[0] == weights[1]
+    # Each weight sync's transfer and load, apart: one process loads its engine and transfers nothing.
+    syncs = {n: [(float(r["weight_transfer_s"]), float(r["weight_load_s"]))
+                 for r in read_metrics(tmp_path / n / "metrics.csv")[1:]] for n in ("one", "two")}
+    assert all(transfer == 0 for transfer, _ in syncs["one"]) and max(load for _, load in syncs["one"]) > 0
+    assert min(map(max, zip(*syncs["two"]))) > 0

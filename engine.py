@@ -70,7 +70,7 @@ class Seeds:
 class RolloutEngine(Protocol):
     """What a rollout rank asks of its engine."""
 
-    # How weights travel to this engine (ranks.WeightFormat): its ``decode`` hands each
+    # How weights travel to this engine (weight_sync.WeightFormat): its ``decode`` hands each
     # parameter to the engine; ``finish_weights`` ends a version.
     weights: Any
 

@@ -208,7 +208,7 @@ def generate(
 
 class BuiltinEngine:
     """The rollout copy of the policy (a transformers model on the rank's device) and the decode
-    loop above. ``weights`` (rollout.RolloutWeights) decodes synced weights into the model."""
+    loop above. ``weights`` (weight_sync.RolloutWeights) decodes synced weights into the model."""
 
     def __init__(self, model: torch.nn.Module, weights: Any, *, device: torch.device, stop_ids: Sequence[int],
                  pad_id: int, max_new_tokens: int, stop_check_every: int = 8,

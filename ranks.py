@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -374,84 +374,6 @@ def all_reduce_sum(values: Sequence[float], group: dist.ProcessGroup, device: to
     rank gets the same bits."""
     wait_for_group(group)
     return all_gather_float64(values, group, device).sum(dim=0).tolist()
-
-
-# ----- weights: lead learner -> rollout ranks, in buckets ---------------------------------------
-
-def _buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Piece indices grouped so each bucket stays under bucket_bytes (one large piece may fill a
-    bucket alone). Both ends compute the same plan from the same sizes."""
-    plan, current, used = [], [], 0
-    for index, size in enumerate(sizes):
-        if current and used + size > bucket_bytes:
-            plan.append(current)
-            current, used = [], 0
-        current.append(index)
-        used += size
-    if current:
-        plan.append(current)
-    return plan
-
-
-class WeightFormat(Protocol):
-    """How each parameter travels: as ``nbytes(i)`` bytes that ``encode`` writes and ``decode`` reads."""
-
-    names: list[str]  # the parameters, in the order they travel
-
-    def nbytes(self, index: int) -> int: ...
-    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor: ...
-    def decode(self, index: int, data: torch.Tensor) -> None: ...
-
-
-class WeightBroadcast:
-    """Send (lead learner) or receive (rollout ranks) a full set of parameters with its version,
-    bucket by bucket, as bytes in the layout a :class:`WeightFormat` gives (the rollout's dtype,
-    or FP8 values and scales).
-
-    Parameters travel under their in-memory names and shapes, which are the same at both ends
-    (one model class) even for fused MoE experts whose on-disk names differ (docs/platform.md). One
-    buffer, the size of the largest bucket, is allocated once and reused: a fresh buffer is much
-    slower on first touch, and one buffer per bucket would be a second copy of the model.
-    """
-
-    def __init__(self, weight_format: WeightFormat, bucket_mb: int, src: int, group: dist.ProcessGroup,
-                 device: torch.device) -> None:
-        self.format, self.src, self.group, self.device = weight_format, src, group, device
-        self.sizes = [weight_format.nbytes(i) for i in range(len(weight_format.names))]
-        self.plan = _buckets(self.sizes, bucket_mb * 2**20)
-        self.buffer = torch.empty(max(sum(self.sizes[i] for i in bucket) for bucket in self.plan),
-                                  dtype=torch.uint8, device=device)
-        self.seconds = (0.0, 0.0)  # the last receive's: (waiting for and taking the buckets, decoding them)
-
-    def send(self, tensors: Iterable[torch.Tensor], version: int) -> None:
-        """``tensors``: every parameter whole, in order, each taken only when its bucket is filled
-        (so a sharded learner gathers one parameter at a time)."""
-        wait_for_group(self.group)
-        broadcast_flag(version, self.src, self.group, self.device)
-        tensors = iter(tensors)
-        for bucket in self.plan:
-            offset = 0
-            for i in bucket:
-                self.buffer[offset:offset + self.sizes[i]].copy_(self.format.encode(i, next(tensors)))
-                offset += self.sizes[i]
-            dist.broadcast(self.buffer[:offset], src=self.src, group=self.group)
-
-    def receive(self) -> int:
-        """Decode the next version into place; returns its number."""
-        wait_for_group(self.group)
-        version = broadcast_flag(-1, self.src, self.group, self.device)
-        transfer = decode = 0.0
-        with torch.no_grad():
-            for bucket in self.plan:
-                filled = self.buffer[:sum(self.sizes[i] for i in bucket)]
-                start = time.perf_counter()
-                dist.broadcast(filled, src=self.src, group=self.group)
-                received = time.perf_counter()
-                for i, data in zip(bucket, filled.split([self.sizes[i] for i in bucket])):
-                    self.format.decode(i, data)
-                transfer, decode = transfer + received - start, decode + time.perf_counter() - received
-        self.seconds = (transfer, decode)
-        return version
 
 
 def gather_json(value: Any, dst: int, group: dist.ProcessGroup, device: torch.device) -> Optional[list[Any]]:

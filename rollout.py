@@ -22,12 +22,13 @@ from buckets import bucket_bound, bucketed_batches
 from config import Config, Derived, RolloutConfig, UserError
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, decode_compile_mode
 from engine import RolloutEngine, Sampling, Seeds
-from fp8 import convert_to_fp8, fp8_parameter_names, fp8_slot, quantize
+from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
-from ranks import Layout, WeightBroadcast, phase
+from ranks import Layout, phase
 from rewards import Scored
 from routing import RoutingShape
 from samples import SampleBatch
+from weight_sync import RolloutWeights, WeightBroadcast
 
 
 def left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,68 +471,6 @@ class DynamicSampler:
         self.pool.pending = SampleBatch.from_named_tensors(buffers, "pool", group_size)
         if ahead_row is not None:
             self.collected_ahead = (SampleBatch.from_named_tensors(buffers, "ahead", group_size), ahead_row)
-
-
-def _aligned(nbytes: int) -> int:
-    # Every piece starts on an 8-byte boundary of the transfer buffer, so its bytes can be viewed
-    # as float32 (scales) or any parameter dtype in place.
-    return -(-nbytes // 8) * 8
-
-
-class RolloutWeights:
-    """The policy's parameters as the rollout side stores them, and as they travel there: in the
-    rollout dtype, or with FP8 rollout, FP8 values plus one float32 scale per output row for the
-    linear layers and experts (fp8.py). One object per end: the lead encodes full-precision
-    tensors into bytes, a rollout rank decodes bytes into its model (:meth:`bind`)."""
-
-    def __init__(self, model_config: Any, rollout_dtype: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):  # the architecture's names and shapes, without weights
-            policy = AutoModelForCausalLM.from_config(model_config)
-        named = list(policy.named_parameters())
-        self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
-        self.fp8 = fp8_parameter_names(policy) if rollout_dtype == "fp8" else set()
-        self.dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
-        self.targets: list[Any] = []
-
-    def bind(self, model: torch.nn.Module) -> None:
-        """Where each parameter lands in the rollout model (converted to FP8 or not)."""
-        self.targets = [fp8_slot(model, n) if n in self.fp8 else model.get_parameter(n) for n in self.names]
-
-    def _is_fp8(self, index: int) -> bool:
-        return self.names[index] in self.fp8
-
-    def nbytes(self, index: int) -> int:
-        shape = self.shapes[index]
-        if self._is_fp8(index):
-            return _aligned(shape.numel()) + _aligned(4 * (shape.numel() // shape[-1]))
-        return _aligned(shape.numel() * self.dtype.itemsize)
-
-    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        if self._is_fp8(index):
-            values, scale = quantize(tensor)
-            pieces = [values.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)]
-        else:
-            pieces = [tensor.detach().to(self.dtype).reshape(-1).view(torch.uint8)]
-        return torch.cat([torch.nn.functional.pad(p, (0, _aligned(p.numel()) - p.numel())) for p in pieces])
-
-    def load(self, tensors: Iterable[torch.Tensor], device: torch.device) -> None:
-        """Every parameter, whole and in order, into the bound model, by way of the bytes that
-        weight sync sends (so weights loaded and weights received are the same)."""
-        for index, tensor in enumerate(tensors):
-            self.decode(index, self.encode(index, tensor).to(device))
-
-    @torch.no_grad()
-    def decode(self, index: int, data: torch.Tensor) -> None:
-        shape, target = self.shapes[index], self.targets[index]
-        if self._is_fp8(index):
-            numel = shape.numel()
-            target.values.copy_(data[:numel].view(target.values.dtype).view(shape))  # float8, or uint8 codes
-            scale = data[_aligned(numel):_aligned(numel) + 4 * (numel // shape[-1])]
-            target.scale.copy_(scale.view(torch.float32).view(shape[:-1]))
-        else:
-            target.copy_(data[:shape.numel() * self.dtype.itemsize].view(self.dtype).view(shape))
 
 
 def build_rollout_model(path: Path, rollout_dtype: str, device: Any) -> torch.nn.Module:

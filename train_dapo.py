@@ -36,11 +36,12 @@ from device import (Platform, bind_host_cores, experts_implementation, seed_ever
                     write_env_report)
 from learner import Learner, check_model_type, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
-from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, WeightBroadcast, all_reduce_sum, at_step,
+from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, all_reduce_sum, at_step,
                    broadcast_samples, finish_together, init_world, leave_world, phase)
-from rollout import (DynamicSampler, Generated, Rollout, RolloutWeights, build_engine, check_engine,
+from rollout import (DynamicSampler, Generated, Rollout, build_engine, check_engine,
                      check_rollout_inputs, load_rollout_model, wire_dtype)
 from samples import SampleBatch
+from weight_sync import RolloutWeights, WeightBroadcast
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
 

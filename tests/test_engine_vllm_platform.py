@@ -121,7 +121,7 @@ class PretendDevice(Platform):
 
 
 class PretendWeights:
-    """The weight format a VllmEngine stages (rollout.RolloutWeights' names, shapes, sizes)."""
+    """The weight format a VllmEngine stages (weight_sync.RolloutWeights' names, shapes, sizes)."""
 
     names, shapes, dtype = ["w"], [(4, 4)], torch.bfloat16
 

@@ -74,7 +74,7 @@ def test_fp8_rollout_weights_take_at_most_55_percent_of_bf16():
 
 
 def test_weight_sync_sends_fp8_values_and_scales_in_about_half_the_bytes_of_bf16():
-    from rollout import RolloutWeights
+    from weight_sync import RolloutWeights
 
     config = geometry_model().config
     sizes = {dtype: RolloutWeights(config, dtype) for dtype in ("bf16", "fp8")}
@@ -88,7 +88,7 @@ def test_encoded_fp8_decodes_to_what_quantize_gives(demo_assets):
     from transformers import AutoModelForCausalLM
 
     from fp8 import fp8_slot
-    from rollout import RolloutWeights
+    from weight_sync import RolloutWeights
 
     policy = AutoModelForCausalLM.from_pretrained(demo_assets / "model", dtype=torch.float32)
     rollout = convert_to_fp8(copy.deepcopy(policy), torch.bfloat16)

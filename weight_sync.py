@@ -15,9 +15,10 @@ The path of a weight version, from the lead learner to an engine:
      place, on the device;
    - vLLM: :class:`SharedMemoryWeights` stages the pieces in a shared-memory file the engine's
      process maps, and a full buffer goes into vLLM's layerwise reload in one call
-     (engine_vllm._load_bucket; engine.finish_weights ends the version). This is a host bounce:
-     device -> host file -> device. vLLM's weight-transfer API (CUDA / NPU IPC of the rank's
-     buffer) is not used yet.
+     through vLLM's weight-transfer protocol (start_weight_update, update_weights per staged
+     buffer, finish_weight_update: its layerwise reload) into our transfer engine in the worker
+     (vllm_worker.SharedMemoryTransfer). This is a host bounce: device -> host file -> device;
+     vLLM's IPC transfer engines (CUDA / NPU IPC of the rank's buffer) are not used yet.
 4. Rows of metrics.csv time it: ``sync_time_s`` (the lead sending), ``weight_transfer_s`` and
    ``weight_load_s`` (a rollout rank waiting for the buckets, and its engine taking them).
 
@@ -43,6 +44,9 @@ from config import UserError
 from device import ROLLOUT_COMPUTE_DTYPES
 from fp8 import fp8_parameter_names, fp8_slot, quantize
 from ranks import broadcast_flag, wait_for_group
+
+# vLLM's name for our transfer engine (vllm_worker.SharedMemoryTransfer), registered in its workers.
+SHARED_MEMORY_BACKEND = "dapo_shared_memory"
 
 
 def _aligned(nbytes: int) -> int:
@@ -215,7 +219,7 @@ class SharedMemoryWeights:
 
     def flush(self) -> None:
         if self.staged:
-            self.engine.load_bucket(self.path, self.staged)
+            self.engine.load_bucket(self.staged)
         self.staged, self.offset = [], 0
 
     def __del__(self) -> None:

@@ -7,9 +7,10 @@ On the demo model, fp32, temperature 1.0:
 for every width (sequences per call) and length (new tokens, no stop token, so every response
 is that long) both engines generate in turns, ``--rounds`` times; printed are the median seconds
 of each and the median of the paired ratios builtin / vLLM (above 1: vLLM is faster). Then the
-median time of moving every weight into the vLLM engine (engine.load_weights, the path of weight
-sync after the broadcast) over the median time of one demo generation batch (48 sequences, up
-to 8 tokens, stopping at EOS).
+median time of loading every weight into each engine (engine.load_weights, the path of weight
+sync after the broadcast: the load of metrics.csv's weight_load_s; vLLM's goes through its
+weight-transfer protocol) over the median time of its demo generation batch (48 sequences, up
+to 8 tokens, stopping at EOS), in alternating rounds.
 """
 from __future__ import annotations
 
@@ -87,12 +88,15 @@ def main() -> None:
                 print(f"  {width:3d} sequences x {length:3d} tokens: builtin {m['builtin']:.3f} s  "
                       f"vLLM {m['vllm']:.3f} s  ratio {m['ratio']:.2f}")
         ids, mask = left_pad([p for p in prompts[:6] for _ in range(8)], 32, tokenizer.pad_token_id)
-        batch = generation_pair(builtin, vllm, ids, mask, 8, [tokenizer.eos_token_id], args.rounds)["vllm"]
+        batch = generation_pair(builtin, vllm, ids, mask, 8, [tokenizer.eos_token_id], args.rounds)
         files = WeightFiles(assets / "model")
         weights = lambda: [files.rows(n, s, 0, s[0]) for n, s in zip(vllm.weights.names, vllm.weights.shapes)]  # noqa: E731
-        sync = statistics.median(timed(lambda w=weights(): vllm.load_weights(w)) for _ in range(args.rounds))
-        print(f"weight sync into vLLM: {sync:.3f} s = {sync / batch:.2f} of a demo generation batch "
-              f"(48 sequences, up to 8 tokens: {batch:.3f} s)")
+        loads = [(timed(lambda w=weights(): builtin.load_weights(w)), timed(lambda w=weights(): vllm.load_weights(w)))
+                 for _ in range(args.rounds)]
+        for name, column in (("builtin", 0), ("vllm", 1)):
+            load = statistics.median(pair[column] for pair in loads)
+            print(f"weight load into {name}: {load:.3f} s = {load / batch[name]:.2f} of its demo generation batch "
+                  f"(48 sequences, up to 8 tokens: {batch[name]:.3f} s)")
         vllm.close()
 
 

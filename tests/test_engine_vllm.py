@@ -132,7 +132,7 @@ def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prom
 
 def test_a_message_right_after_another_reaches_the_waiting_worker_without_a_stall():
     """vLLM's queue with the worker's waiting set as the engine sets it (engine_vllm's
-    _wait_without_spinning on the process's readers): a reader thread answers each message, and
+    wait_without_spinning on the process's readers): a reader thread answers each message, and
     the next one follows within a millisecond, as the engine core's sample_tokens follows
     execute_model. Its notification is lost then (zmq drops it), so a reader that sleeps at once
     on the notification wakes only at its re-check: 5 s as vLLM ships it."""
@@ -142,14 +142,14 @@ def test_a_message_right_after_another_reaches_the_waiting_worker_without_a_stal
 
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    from engine_vllm import _wait_without_spinning
+    from vllm_worker import wait_without_spinning
 
     writer, answers, ready = MessageQueue(1, 1, max_chunk_bytes=2**16, max_chunks=4), queue.Queue(), threading.Event()
 
     def answer() -> None:
         reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
         reader.wait_until_ready()
-        assert _wait_without_spinning(None) >= 1  # this thread's reader among the process's
+        assert wait_without_spinning() >= 1  # this thread's reader among the process's
         ready.set()
         while (message := reader.dequeue(indefinite=True)) is not None:
             answers.put(message)

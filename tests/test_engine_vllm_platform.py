@@ -22,6 +22,7 @@ from config import Config, UserError
 from device import VISIBLE_DEVICES_VARIABLE, Platform
 from engine_vllm import VllmEngine, check_available, engine_memory
 from ranks import Layout
+from weight_sync import SHARED_MEMORY_BACKEND
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -139,6 +140,12 @@ class RecordingLLM:
         seen = {name: os.environ.get(name) for name in VISIBLE_DEVICES_VARIABLE.values()}
         RecordingLLM.calls.append({"settings": settings, "visible": seen})
 
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        RecordingLLM.calls[-1]["weight_transfer_init"] = request["init_info"]
+
+    def collective_rpc(self, method: str) -> None:
+        RecordingLLM.calls[-1].setdefault("worker_calls", []).append(method)
+
 
 @pytest.fixture
 def recorder(monkeypatch, tmp_path):
@@ -164,6 +171,31 @@ def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int =
     return VllmEngine(cfg, plat, layout, PretendWeights(),
                       stop_ids=[2], pad_id=0, max_new_tokens=16, planned=planned, sequences=8,
                       device_memory=device_memory)
+
+
+@pytest.mark.parametrize("kind,backend", [("cuda", "nccl"), ("cpu", "gloo")])
+def test_new_weights_go_through_vllms_weight_transfer_protocol_into_our_transfer_engine(recorder, kind, backend):
+    """vLLM is told to make our transfer engine in each worker (whose module, imported there as the
+    worker extension, registers it) and is given the staging file it reads each bucket from."""
+    engine = build(PretendDevice(kind, backend, local_rank=3) if kind != "cpu" else Platform("cpu", "gloo", 0))
+    call = recorder[-1]
+    assert call["settings"]["weight_transfer_config"] == {"backend": SHARED_MEMORY_BACKEND}
+    assert call["weight_transfer_init"] == {"path": engine.weights.path, "capacity": engine.weights.capacity}
+    assert Path(engine.weights.path).is_file()
+    module, name = call["settings"]["worker_extension_cls"].rsplit(".", 1)
+    assert (module, name) == ("vllm_worker", "DapoWorkerExtension")
+    assert call.get("worker_calls", []) == (["wait_without_spinning"] if kind == "cpu" else [])  # a method of it
+
+
+def test_the_worker_extensions_module_registers_our_transfer_engine_with_vllm():
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    import vllm_worker
+
+    assert resolve_obj_by_qualname(engine_vllm.WORKER_EXTENSION) is vllm_worker.DapoWorkerExtension
+    assert WeightTransferEngineFactory._registry[SHARED_MEMORY_BACKEND]() is vllm_worker.SharedMemoryTransfer
+    assert callable(vllm_worker.DapoWorkerExtension.wait_without_spinning)
 
 
 @pytest.mark.parametrize("kind,backend", [("cuda", "nccl"), ("npu", "hccl")])

@@ -1,0 +1,138 @@
+"""What runs inside a vLLM engine's worker processes: vLLM imports this module there, as the
+worker extension engine_vllm names (``worker_extension_cls``), before it loads the model. It
+registers :class:`SharedMemoryTransfer` with vLLM's weight-transfer engines, so that new
+weights go through vLLM's own update protocol (start_weight_update, update_weights per bucket,
+finish_weight_update: its layerwise reload) from the shared-memory file a rollout rank stages
+them in (weight_sync.SharedMemoryWeights), and it gives the worker its idle wait
+(:func:`wait_without_spinning`). Written against vLLM 0.32 (engine_vllm.VLLM_VERSION)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from hf_weights import file_tensors
+from weight_sync import SHARED_MEMORY_BACKEND
+
+
+@dataclass
+class StagingFile(WeightTransferInitInfo):
+    """Where a rollout rank stages each bucket: a shared-memory file of ``capacity`` bytes."""
+
+    path: str
+    capacity: int
+
+
+@dataclass
+class StagedBucket(WeightTransferUpdateInfo):
+    """One bucket in the staging file: (our in-memory name, offset, bytes, shape, dtype) a parameter."""
+
+    entries: list[list[Any]]
+
+
+class SharedMemoryTransfer(WeightTransferEngine[StagingFile, StagedBucket]):
+    """vLLM's weight-transfer engine for weights staged in shared memory: each bucket is read
+    from the mapped file into the model through vLLM's layerwise reload, which
+    start_weight_update and finish_weight_update bracket once per version."""
+
+    init_info_cls, update_info_cls = StagingFile, StagedBucket
+
+    def init_transfer_engine(self, init_info: StagingFile) -> None:
+        self.buffer = torch.from_file(init_info.path, shared=True, size=init_info.capacity, dtype=torch.uint8)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class then synchronizes the accelerator, which raises on a CPU; a copy out of
+        # the file is complete when it returns there.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: StagedBucket) -> None:
+        for name, offset, size, shape, dtype in update_info.entries:
+            # A copy: the layerwise reload keeps what it is given until a layer is complete, and the
+            # next bucket overwrites the file.
+            tensor = self.buffer[offset:offset + size].view(getattr(torch, dtype)).view(shape).to(self.device, copy=True)
+            self.model.load_weights(file_tensors(name, tensor))
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.platforms import current_platform
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        if current_platform.is_cpu():
+            cpu_repack(self.model)
+
+    def shutdown(self) -> None:
+        self.buffer = None
+
+
+try:
+    WeightTransferEngineFactory.register_engine(SHARED_MEMORY_BACKEND, SharedMemoryTransfer)
+except ValueError:  # registered when this module was first imported in the process
+    pass
+
+
+class DapoWorkerExtension:
+    """Methods engine_vllm calls on every worker (LLM.collective_rpc by name)."""
+
+    def wait_without_spinning(self) -> int:
+        return wait_without_spinning()
+
+
+def wait_without_spinning() -> int:
+    """The engine's worker process waits for its next message asleep when idle, yet takes every
+    message within milliseconds. vLLM's shared-memory queue (shm_broadcast, written against
+    VLLM_VERSION) has a reader spin (sched_yield) for ``busy_loop_s`` after each message it
+    reads, then sleep on a zmq notification that the writer sends after each message, re-checking
+    the queue every ``SHM_READER_RECHECK_INTERVAL_MS`` in case one was lost. As shipped (1 s, 5 s):
+    on a CPU the six idle workers of the demo took 97% of both cores from the ranks computing.
+    Not spinning at all (0 s) lost messages instead: the notification socket (PUB, send high-water
+    mark 1) drops a notification sent within about a millisecond of the one before (measured: 34
+    to 38 of 40 lost at 0.05-1 ms apart, none at 2 ms; libzmq frees the slot only when it next
+    processes its commands, at most every ~1 ms on a send), and the engine core sends a step's
+    ``sample_tokens`` that soon after ``execute_model`` when the model is small, so the worker
+    slept on until its 5 s re-check: the 5-second steps of the 1-process demo. Hence a spin of
+    20 ms, which covers every message that can follow its predecessor so closely, and a re-check
+    every 50 ms, which bounds any other loss (a writer descheduled between its message and its
+    notification on a busy machine) at a wake-up costing microseconds, 20 a second. The queue's
+    readers are not reachable from the worker object, hence gc."""
+    import gc
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    readers = [obj for obj in gc.get_objects() if type(obj) is shm_broadcast.SpinCondition and obj.is_reader]
+    for reader in readers:
+        reader.busy_loop_s = 0.02
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = 50  # read at each wait (MessageQueue.ReadTimeoutWithWarnings)
+    return len(readers)
+
+
+def cpu_repack(model: Any) -> dict[str, int]:
+    """The experts' grouped-GEMM prepack and the tied lm_head's packed GEMM weight, redone from
+    the reloaded weights (what vLLM 0.32's CPU model loader does once at start-up)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    experts = 0
+    for module in model.modules():
+        method = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        fused = getattr(method, "fused_experts", None)
+        if isinstance(fused, CPUUnquantizedExperts) and not fused._use_zentorch:
+            module.w13_weight.data.copy_(cpu_prepack_moe_weight(module.w13_weight.data.contiguous(), fused.isa))
+            module.w2_weight.data.copy_(cpu_prepack_moe_weight(module.w2_weight.data.contiguous(), fused.isa))
+            experts += 1
+    lm_head, embedding = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = (lm_head is not None and embedding is not None and hasattr(lm_head, "cpu_linear")
+            and lm_head.weight.data_ptr() == embedding.weight.data_ptr())
+    if tied:  # untied: lm_head.weight was in the buckets and re-packed by the reload itself
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+    return {"moe_layers_repacked": experts, "tied_lm_head_repacked": int(tied)}

@@ -542,6 +542,17 @@ DECODE_COMPILE_MODE = {"cuda": "reduce-overhead", "cpu": "default", "npu": "defa
 DECODE_COMPILE_BY_DEFAULT = {"cuda": True, "cpu": False, "npu": False}
 
 
+def ipc_handle(tensor: torch.Tensor) -> dict[str, tuple]:
+    """A CUDA tensor shared with another process of the same GPU, as vLLM's ``ipc`` weight-transfer
+    engine takes it: {the GPU's UUID: torch's rebuild arguments} (torch.multiprocessing's
+    reduce_tensor; the receiver opens it on its own index of that GPU). The arguments do not keep
+    the storage alive: the caller does, until the receiver has copied from it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(tensor)
+    return {str(torch.cuda.get_device_properties(tensor.device).uuid): args}
+
+
 def decode_compile_mode(device_type: str, requested: Optional[bool]) -> Optional[str]:
     """torch.compile's mode for the decode step, or None for eager (another device: off unless asked)."""
     on = DECODE_COMPILE_BY_DEFAULT.get(device_type, False) if requested is None else requested

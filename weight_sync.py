@@ -13,12 +13,13 @@ The path of a weight version, from the lead learner to an engine:
 3. The engine rank decodes each bucket through its engine's weight format:
    - the built-in engine: :class:`RolloutWeights` bound to its model copies each piece into
      place, on the device;
-   - vLLM: :class:`SharedMemoryWeights` stages the pieces in a shared-memory file the engine's
-     process maps, and a full buffer goes into vLLM's layerwise reload in one call
-     through vLLM's weight-transfer protocol (start_weight_update, update_weights per staged
-     buffer, finish_weight_update: its layerwise reload) into our transfer engine in the worker
-     (vllm_worker.SharedMemoryTransfer). This is a host bounce: device -> host file -> device;
-     vLLM's IPC transfer engines (CUDA / NPU IPC of the rank's buffer) are not used yet.
+   - vLLM, through its weight-transfer protocol (start_weight_update, update_weights a
+     bucket, finish_weight_update: its layerwise reload), by the transport
+     :func:`vllm_transport` chooses: on CUDA with the engine on the rank's GPU,
+     :class:`IpcWeights` hands vLLM's ``ipc`` engine handles of the pieces where the broadcast
+     left them (no host copy); elsewhere :class:`SharedMemoryWeights` stages them in a
+     shared-memory file that our transfer engine in the worker reads
+     (vllm_worker.SharedMemoryTransfer): a host bounce, device -> host file -> device.
 4. Rows of metrics.csv time it: ``sync_time_s`` (the lead sending), ``weight_transfer_s`` and
    ``weight_load_s`` (a rollout rank waiting for the buckets, and its engine taking them).
 
@@ -41,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from config import UserError
-from device import ROLLOUT_COMPUTE_DTYPES
+from device import ROLLOUT_COMPUTE_DTYPES, ipc_handle
 from fp8 import fp8_parameter_names, fp8_slot, quantize
+from hf_weights import file_tensors
 from ranks import broadcast_flag, wait_for_group
 
 # vLLM's name for our transfer engine (vllm_worker.SharedMemoryTransfer), registered in its workers.
@@ -110,6 +112,9 @@ class RolloutWeights:
         else:
             target.copy_(data[:shape.numel() * self.dtype.itemsize].view(self.dtype).view(shape))
 
+    def flush(self) -> None:
+        """Nothing is held back: decode copies each piece into place."""
+
 
 def bucket_plan(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
     """Piece indices grouped so each bucket stays under bucket_bytes (one large piece may fill a
@@ -134,6 +139,7 @@ class WeightFormat(Protocol):
     def nbytes(self, index: int) -> int: ...
     def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor: ...
     def decode(self, index: int, data: torch.Tensor) -> None: ...
+    def flush(self) -> None: ...  # the pieces decoded so far are complete: an engine may take them
 
 
 class WeightBroadcast:
@@ -182,15 +188,70 @@ class WeightBroadcast:
                 received = time.perf_counter()
                 for i, data in zip(bucket, filled.split([self.sizes[i] for i in bucket])):
                     self.format.decode(i, data)
+                self.format.flush()  # before the next bucket overwrites the buffer
                 transfer, decode = transfer + received - start, decode + time.perf_counter() - received
         self.seconds = (transfer, decode)
         return version
 
 
+def vllm_transport(platform_kind: str, tensor_parallel: int) -> str:
+    """How a rollout rank hands the buckets it received to its vLLM engine: "ipc" on CUDA with an
+    engine on the rank's own GPU (its worker opens the rank's broadcast buffer there: no copy
+    through the host), "shared_memory" everywhere else: the CPU; NPU, until vllm-ascend's
+    npu_ipc engine is checked on a device; tensor-parallel engines, whose other workers sit on
+    GPUs the rank's buffer is not on."""
+    return "ipc" if platform_kind == "cuda" and tensor_parallel == 1 else "shared_memory"
+
+
+class IpcWeights:
+    """The weight format (WeightFormat) of a vLLM engine on the rank's own GPU, through vLLM's
+    ``ipc`` transfer engine: names, sizes and encoding are RolloutWeights'; ``decode`` keeps
+    each parameter where it arrived (a view of the broadcast buffer, in checkpoint names), and
+    ``flush`` hands the engine their inter-process handles, which vLLM's worker opens and copies
+    from on the device. The broadcast flushes after every bucket, before the next one overwrites
+    its buffer; a load of whole tensors (one process, a resume) every ``capacity`` bytes."""
+
+    backend = "ipc"
+    init_info = {"packed": False}
+
+    def __init__(self, form: Any, engine: Any, capacity: int) -> None:
+        self.form, self.engine, self.capacity = form, engine, capacity
+        self.names, self.shapes = form.names, form.shapes
+        self.staged: list[tuple[str, torch.Tensor]] = []
+        self.staged_bytes = 0
+
+    def nbytes(self, index: int) -> int:
+        return self.form.nbytes(index)
+
+    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        return self.form.encode(index, tensor)
+
+    def decode(self, index: int, data: torch.Tensor) -> None:
+        shape, dtype = self.shapes[index], self.form.dtype
+        self.staged += file_tensors(self.names[index], data[:shape.numel() * dtype.itemsize].view(dtype).view(shape))
+        self.staged_bytes += data.numel()
+        if self.staged_bytes >= self.capacity:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.staged:
+            if torch.accelerator.is_available():  # the broadcast's writes are done before another process reads them
+                torch.accelerator.synchronize()
+            self.engine.update_weights({
+                "names": [name for name, _ in self.staged],
+                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in self.staged],
+                "shapes": [list(t.shape) for _, t in self.staged],
+                "ipc_handles": [ipc_handle(t) for _, t in self.staged]})
+        self.staged, self.staged_bytes = [], 0
+
+
 class SharedMemoryWeights:
-    """The weight format (WeightFormat) of a vLLM engine: names, sizes and encoding are
-    RolloutWeights', while ``decode`` stages each parameter in a shared-memory buffer of
-    one bucket that the engine process maps; a full buffer goes into the engine in one call."""
+    """The weight format (WeightFormat) of a vLLM engine through our ``dapo_shared_memory``
+    transfer engine (vllm_worker.SharedMemoryTransfer): names, sizes and encoding are
+    RolloutWeights', while ``decode`` stages each parameter in a shared-memory buffer of one
+    bucket that the engine's workers map; a full buffer goes into the engine in one call."""
+
+    backend = SHARED_MEMORY_BACKEND
 
     def __init__(self, form: Any, engine: Any, capacity: int, folder: str) -> None:
         self.form, self.engine = form, engine
@@ -201,6 +262,7 @@ class SharedMemoryWeights:
         self.buffer = torch.from_file(self.path, shared=True, size=self.capacity, dtype=torch.uint8)
         self.staged: list[tuple[str, int, int, list[int], str]] = []
         self.offset = 0
+        self.init_info = {"path": self.path, "capacity": capacity}
 
     def nbytes(self, index: int) -> int:
         return self.form.nbytes(index)
@@ -219,7 +281,7 @@ class SharedMemoryWeights:
 
     def flush(self) -> None:
         if self.staged:
-            self.engine.load_bucket(self.staged)
+            self.engine.update_weights({"entries": [list(entry) for entry in self.staged]})
         self.staged, self.offset = [], 0
 
     def __del__(self) -> None:

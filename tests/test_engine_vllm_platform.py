@@ -173,15 +173,24 @@ def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int =
                       device_memory=device_memory)
 
 
-@pytest.mark.parametrize("kind,backend", [("cuda", "nccl"), ("cpu", "gloo")])
-def test_new_weights_go_through_vllms_weight_transfer_protocol_into_our_transfer_engine(recorder, kind, backend):
-    """vLLM is told to make our transfer engine in each worker (whose module, imported there as the
-    worker extension, registers it) and is given the staging file it reads each bucket from."""
-    engine = build(PretendDevice(kind, backend, local_rank=3) if kind != "cpu" else Platform("cpu", "gloo", 0))
+@pytest.mark.parametrize("kind,backend,tensor_parallel,transport", [
+    ("cpu", "gloo", 1, "shared_memory"), ("npu", "hccl", 1, "shared_memory"), ("cuda", "nccl", 2, "shared_memory"),
+    ("cuda", "nccl", 1, "ipc")])
+def test_new_weights_go_through_vllms_weight_transfer_protocol_into_our_transfer_engine(recorder, kind, backend,
+                                                                                        tensor_parallel, transport):
+    """vLLM is told which transfer engine to make in each worker: ours, whose module vLLM imports
+    there as the worker extension, with the staging file it reads each bucket from; or, on CUDA
+    with the engine on the rank's own GPU, vLLM's ipc engine, which opens the rank's buffer."""
+    plat = PretendDevice(kind, backend, local_rank=2) if kind != "cpu" else Platform("cpu", "gloo", 0)
+    engine = build(plat, rank=2, tensor_parallel=tensor_parallel)
     call = recorder[-1]
-    assert call["settings"]["weight_transfer_config"] == {"backend": SHARED_MEMORY_BACKEND}
-    assert call["weight_transfer_init"] == {"path": engine.weights.path, "capacity": engine.weights.capacity}
-    assert Path(engine.weights.path).is_file()
+    if transport == "ipc":
+        assert call["settings"]["weight_transfer_config"] == {"backend": "ipc"}
+        assert call["weight_transfer_init"] == {"packed": False} and not hasattr(engine.weights, "path")
+    else:
+        assert call["settings"]["weight_transfer_config"] == {"backend": SHARED_MEMORY_BACKEND}
+        assert call["weight_transfer_init"] == {"path": engine.weights.path, "capacity": engine.weights.capacity}
+        assert Path(engine.weights.path).is_file()
     module, name = call["settings"]["worker_extension_cls"].rsplit(".", 1)
     assert (module, name) == ("vllm_worker", "DapoWorkerExtension")
     assert call.get("worker_calls", []) == (["wait_without_spinning"] if kind == "cpu" else [])  # a method of it
@@ -283,10 +292,11 @@ def test_a_staging_folder_too_small_for_the_hosts_engines_is_refused_before_the_
         return small if str(path) == str(tmp_path) else real_usage(path)
 
     monkeypatch.setattr(shutil, "disk_usage", usage)
+    # An NPU stages through shared memory (a CUDA engine on its rank's GPU takes IPC handles instead).
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # one node: its 6 rollout ranks stage at once
     with pytest.raises(UserError) as refused:
-        build(PretendDevice("cuda", "nccl", local_rank=3), bucket_mb=805)
+        build(PretendDevice("npu", "hccl", local_rank=3), bucket_mb=805)
     message = str(refused.value)
     assert "\n" not in message and not recorder and not list(tmp_path.iterdir())
     assert "6 vLLM engine(s)" in message and "4.72 GiB" in message and "0.06 GiB free" in message
@@ -294,12 +304,12 @@ def test_a_staging_folder_too_small_for_the_hosts_engines_is_refused_before_the_
     # Two nodes of 4: this rank's node holds rollout ranks 0-3, the 4 of them need 3.14 GiB.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(UserError, match="the 4 vLLM engine"):
-        build(PretendDevice("cuda", "nccl", local_rank=3), bucket_mb=805)
-    build(PretendDevice("cuda", "nccl", local_rank=3), bucket_mb=8)  # 4 x 8 MiB fit
+        build(PretendDevice("npu", "hccl", local_rank=3), bucket_mb=805)
+    build(PretendDevice("npu", "hccl", local_rank=3), bucket_mb=8)  # 4 x 8 MiB fit
     assert len(recorder) == 1
     monkeypatch.setenv(STAGING_DIR_VARIABLE, str(tmp_path / "missing"))
     with pytest.raises(UserError, match="is not a folder"):
-        build(PretendDevice("cuda", "nccl", local_rank=3))
+        build(PretendDevice("npu", "hccl", local_rank=3))
 
 
 @pytest.mark.parametrize("device_gb", [141, 64])
@@ -333,3 +343,80 @@ def test_the_30b_plan_gives_the_engine_the_settings_a_rank_of_that_device_passes
         assert plan["checks"]["device"] is False
         with pytest.raises(UserError, match="the plan needs"):
             engine()
+
+
+class RecordingEngine:
+    """What a VllmEngine is handed by its weight format: each bucket's update_info."""
+
+    def __init__(self) -> None:
+        self.updates: list[dict] = []
+
+    def update_weights(self, update_info: dict) -> None:
+        self.updates.append(update_info)
+
+
+def test_each_bucket_reaches_the_engine_through_ipc_handles_of_the_broadcast_buffer_or_through_the_staging_file(
+        monkeypatch, tmp_path):
+    """A received weight version, bucket by bucket as WeightBroadcast.receive decodes it (the bytes
+    the lead's encode made). IPC (CUDA): each bucket is handed over before the next overwrites the
+    buffer, as vLLM's ipc engine takes it (checkpoint names, one handle a tensor), every handle a
+    view of the rank's buffer: 0 bytes through host memory. Shared memory: the model's bytes go
+    through the staging file, each bucket read there by our transfer engine."""
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    import weight_sync
+    from tests.test_decode import moe_model
+    from weight_sync import IpcWeights, RolloutWeights, SharedMemoryWeights, WeightBroadcast
+
+    policy = moe_model()
+    form = RolloutWeights(policy.config, "bf16")
+    shared = []  # (tensor, the buffer's bytes when it was handed over)
+    monkeypatch.setattr(weight_sync, "ipc_handle", lambda t: shared.append((t, t.clone())) or {"GPU-0": (len(shared),)})
+    buffer_end = []
+
+    def broadcast(tensor, src, group):  # the lead's bytes of the bucket, into the rank's buffer
+        offset = 0
+        for i in plan[len(buffer_end)]:
+            tensor[offset:offset + sizes[i]].copy_(form.encode(i, params[i]))
+            offset += sizes[i]
+        buffer_end.append(offset)
+    monkeypatch.setattr(weight_sync, "wait_for_group", lambda group: None)
+    monkeypatch.setattr(weight_sync, "broadcast_flag", lambda value, src, group, device: 1)
+    monkeypatch.setattr(weight_sync.dist, "broadcast", broadcast)
+    params = [p.detach() for _, p in policy.named_parameters()]
+    expected = dict(t for name, p in zip(form.names, params) for t in weight_sync.file_tensors(name, p.bfloat16()))
+    for transport in ("ipc", "shared_memory"):
+        engine, buffer_end[:] = RecordingEngine(), []
+        capacity = weight_sync.staging_bytes(form, 4096)  # a bucket, or the largest parameter
+        target = IpcWeights(form, engine, capacity) if transport == "ipc" else \
+            SharedMemoryWeights(form, engine, capacity, folder=str(tmp_path))
+        receiver = WeightBroadcast(target, bucket_mb=1, src=0, group=None, device=torch.device("cpu"))
+        sizes = receiver.sizes
+        plan = receiver.plan = weight_sync.bucket_plan(sizes, 4096)  # buckets of 4 KiB: several of them
+        receiver.buffer = torch.empty(max(sum(sizes[i] for i in bucket) for bucket in plan), dtype=torch.uint8)
+        assert receiver.receive() == 1
+        assert len(engine.updates) == len(plan) > 1  # one hand-over a bucket
+        if transport == "ipc":
+            names = [name for update in engine.updates for name in IPCWeightTransferUpdateInfo(**update).names]
+            assert names == list(expected)  # checkpoint names, in order: what vLLM's loader takes
+            start, stop = receiver.buffer.data_ptr(), receiver.buffer.data_ptr() + receiver.buffer.numel()
+            assert all(start <= t.data_ptr() < stop for t, _ in shared)  # views of the buffer: no copy
+            assert all(torch.equal(then, expected[name]) for (_, then), name in zip(shared, names))
+        else:
+            staged = [entry for update in engine.updates for entry in update["entries"]]
+            assert [entry[0] for entry in staged] == form.names
+            assert sum(entry[2] for entry in staged) == sum(sizes)  # the model's bytes through the host
+
+
+def test_weights_travel_in_layer_order_as_vllms_layerwise_reload_takes_them():
+    """vLLM's layerwise reload keeps what it is given until a layer is complete: the stream must be
+    vLLM's own layer partition, flattened (the embedding first, then each layer whole, in order,
+    then the final norm and head), or the reload holds whole layers back."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    from tests.test_decode import moe_model
+    from weight_sync import RolloutWeights
+
+    names = RolloutWeights(moe_model(layers=3).config, "bf16").names
+    groups = layerwise_groups(names)
+    assert [name for group in groups for name in group] == names and len(groups) == 3 + 2

@@ -77,6 +77,7 @@ class RolloutConfig:
     val_max_prompts: int = 0  # 0 = the whole validation set
     rollout_stop_check_every: int = 8  # built-in engine: decode steps between host reads of "all rows done?"
     rollout_compile: Optional[bool] = None  # built-in engine: compile the decode step; null = the platform's choice
+    rollout_enforce_eager: Optional[bool] = None  # vLLM: no graphs; null = graphs on CUDA alone (device.py)
 
 
 @dataclass(frozen=True)
@@ -698,6 +699,8 @@ KEY_HELP: dict[str, str] = {
     "dynamic_sampling_metric": "what must vary in a group: acc (right/wrong) or reward; auto = acc with a rule reward",
     "rollout_stop_check_every": "built-in engine: decode steps between the host's checks that every row has stopped",
     "rollout_compile": "built-in engine: torch.compile the decode step (null: on with CUDA graphs on CUDA, off on CPU and NPU)",
+    "rollout_enforce_eager": "vLLM: run eagerly, no graphs (null: CUDA graphs on CUDA for 1 up to an engine's sequences "
+                             "a call; eager on CPU, where vLLM would compile instead, and on NPU)",
     "max_gen_batches": "stop with an error after this many generation batches in one step (0 = no limit)",
     "val_temperature": "validation temperature (0 = greedy)",
     "val_top_p": "validation nucleus when val_temperature > 0",

@@ -553,6 +553,17 @@ def ipc_handle(tensor: torch.Tensor) -> dict[str, tuple]:
     return {str(torch.cuda.get_device_properties(tensor.device).uuid): args}
 
 
+# Where vLLM captures graphs unless told otherwise (rollout_enforce_eager null): CUDA. On the CPU
+# vLLM's graph mode is torch.compile at start-up (minutes on a few cores); vllm-ascend's ACL graphs
+# around the weight reload are not checked on a device yet.
+VLLM_GRAPHS_BY_DEFAULT = {"cuda"}
+
+
+def vllm_enforce_eager(device_type: str, requested: Optional[bool]) -> bool:
+    """Whether a vLLM engine on a ``device_type`` device runs eagerly (``rollout_enforce_eager``)."""
+    return kind_of(device_type) not in VLLM_GRAPHS_BY_DEFAULT if requested is None else requested
+
+
 def decode_compile_mode(device_type: str, requested: Optional[bool]) -> Optional[str]:
     """torch.compile's mode for the decode step, or None for eager (another device: off unless asked)."""
     on = DECODE_COMPILE_BY_DEFAULT.get(device_type, False) if requested is None else requested

@@ -49,7 +49,7 @@ import torch
 
 import config
 from config import Config, UserError
-from device import Platform
+from device import Platform, vllm_enforce_eager
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
@@ -252,8 +252,10 @@ class VllmEngine:
             enable_prefix_caching=False,  # no KV of old weights survives a weight update
             generation_config="vllm",  # stop where we say, not where generation_config.json says
             logprobs_mode="processed_logits", logits_processors=[f"{__name__}:LogSoftmaxAfterTemperature"],
-            enforce_eager=True, disable_log_stats=True,
+            enforce_eager=vllm_enforce_eager(plat.kind, cfg.rollout.rollout_enforce_eager), disable_log_stats=True,
             weight_transfer_config={"backend": self.weights.backend}, worker_extension_cls=WORKER_EXTENSION)
+        if not settings["enforce_eager"]:  # graphs for every decode batch an engine runs, no larger ones
+            settings["compilation_config"] = {"max_cudagraph_capture_size": sequences}
         if routing is not None:
             settings["enable_return_routed_experts"] = True
         if plat.kind == "cpu":

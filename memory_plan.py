@@ -384,8 +384,9 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     if cfg.model.rollout_engine == "vllm":  # the engine's own settings come from the plan's rollout rank
         import engine_vllm
 
-        plan_engine["vllm"] = engine_vllm.engine_memory(rollout, device_memory,
-                                                        bucket_bytes=cfg.run.weight_sync_bucket_mb * 2**20)
+        plan_engine["vllm"] = {**engine_vllm.engine_memory(rollout, device_memory,
+                                                           bucket_bytes=cfg.run.weight_sync_bucket_mb * 2**20),
+                               "enforce_eager": cfg.rollout.rollout_enforce_eager}
         plan_engine["rollout_device_by_tensor_parallel"] = {
             str(n): rollout_rank(cfg, replace(derived, rollout_tensor_parallel=n), arch, reward)["total"]
             for n in tensor_parallel_choices(derived, arch)}

@@ -521,6 +521,11 @@ def vllm_on(planning: Planning, plan: dict[str, Any], kind: str) -> str:
     return f"vllm there: {line}" if line else "vllm there: no rollout_tensor_parallel that this layout accepts"
 
 
+# What rollout_enforce_eager makes of vLLM's graphs, as the plan says it.
+VLLM_GRAPHS = {None: "CUDA graphs on CUDA, their memory measured by vLLM and taken from its KV cache; eager elsewhere",
+               True: "eager: no graphs", False: "graphs wherever vLLM captures them"}
+
+
 def rank_lines(plan: dict[str, Any]) -> list[str]:
     """What a rollout rank and a learner rank hold (and one process, both roles on one device)."""
     gib = lambda n: f"{n / GIB:9.2f} GiB"  # noqa: E731
@@ -544,8 +549,8 @@ def rank_lines(plan: dict[str, Any]) -> list[str]:
         per_device = f"; a device of {split}, tensor parallel" if split > 1 else ""
         lines.append(f"  vLLM engine: weights {gib(rollout['weights']).strip()}, KV cache "
                      f"{gib(vllm['kv_cache_memory_bytes']).strip()}{per_device} (kv_cache_memory_bytes on CPU; "
-                     f"gpu_memory_utilization {share if share is not None else 'unknown'} on a device; no CUDA "
-                     f"graphs: eager)")
+                     f"gpu_memory_utilization {share if share is not None else 'unknown'} on a device; "
+                     f"{VLLM_GRAPHS[vllm['enforce_eager']]})")
     if plan.get("rollout_by_device"):
         lines.append("rollout by kind of device (engine: dtypes):")
         lines += [f"  {line}" for line in plan["rollout_by_device"]]

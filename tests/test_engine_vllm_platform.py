@@ -12,6 +12,7 @@ import sys
 import types
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -161,10 +162,12 @@ def recorder(monkeypatch, tmp_path):
 
 
 def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int = 2, bucket_mb: int = 1,
-          planned_total: int = 64 * GIB, device_memory: int = 64 * GIB, tensor_parallel: int = 1) -> VllmEngine:
+          planned_total: int = 64 * GIB, device_memory: int = 64 * GIB, tensor_parallel: int = 1,
+          enforce_eager: Optional[bool] = None) -> VllmEngine:
     cfg = Config()
     cfg = replace(cfg, model=replace(cfg.model, rollout_engine="vllm", rollout_tensor_parallel=tensor_parallel),
-                  run=replace(cfg.run, weight_sync_bucket_mb=bucket_mb))
+                  run=replace(cfg.run, weight_sync_bucket_mb=bucket_mb),
+                  rollout=replace(cfg.rollout, rollout_enforce_eager=enforce_eager))
     planned = {"weights": 30 * GIB, "kv_cache": 18 * GIB, "activations": planned_total - 48 * GIB,
                "total": planned_total}
     layout = Layout(world_size=world_size, rank=rank, num_learners=learners, tensor_parallel=tensor_parallel)
@@ -194,6 +197,17 @@ def test_new_weights_go_through_vllms_weight_transfer_protocol_into_our_transfer
     module, name = call["settings"]["worker_extension_cls"].rsplit(".", 1)
     assert (module, name) == ("vllm_worker", "DapoWorkerExtension")
     assert call.get("worker_calls", []) == (["wait_without_spinning"] if kind == "cpu" else [])  # a method of it
+
+
+@pytest.mark.parametrize("kind,backend,setting,eager", [("cuda", "nccl", None, False), ("cuda", "nccl", True, True),
+                                                       ("npu", "hccl", None, True), ("cpu", "gloo", None, True)])
+def test_cuda_engines_capture_graphs_up_to_their_sequences_unless_told_to_run_eagerly(recorder, kind, backend,
+                                                                                      setting, eager):
+    plat = PretendDevice(kind, backend, local_rank=3) if kind != "cpu" else Platform("cpu", "gloo", 0)
+    build(plat, enforce_eager=setting)
+    settings = recorder[-1]["settings"]
+    assert settings["enforce_eager"] is eager
+    assert settings.get("compilation_config") == (None if eager else {"max_cudagraph_capture_size": 8})  # sequences
 
 
 def test_the_worker_extensions_module_registers_our_transfer_engine_with_vllm():

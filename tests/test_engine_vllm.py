@@ -111,9 +111,24 @@ def test_a_sample_depends_on_its_seed_not_on_the_samples_beside_it(engine, promp
     assert not torch.equal(other_step.response_ids, whole.response_ids[:, :other_step.response_ids.shape[1]])
 
 
-def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prompts, assets):
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prompts, assets, tmp_path, mode):
     """Each parameter is moved; the engine then computes what transformers computes with the new
-    weights (vLLM 0.32's CPU reload alone would keep the old packed experts and lm_head)."""
+    weights (vLLM 0.32's CPU reload alone would keep the old packed experts and lm_head). Also
+    in vLLM's graph mode (on CPU torch.compile at start-up, ``rollout_enforce_eager: false``),
+    whose compiled graph must read the reloaded storages: vLLM's layerwise reload promises it."""
+    if mode == "compiled":
+        cfg = load_config(run_argv(assets, tmp_path, 1, "--rollout_enforce_eager", "false"))
+        engine = build_engine(cfg, select_platform("cpu"), Layout(world_size=1, rank=0, num_learners=1),
+                              AutoTokenizer.from_pretrained(assets / "model"), rollout_copy=None)
+    try:
+        check_weights_reach_the_engine(engine, prompts, assets)
+    finally:
+        if mode == "compiled":
+            engine.close()
+
+
+def check_weights_reach_the_engine(engine, prompts, assets) -> None:
     model = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32)
     ids, mask, before = sample(engine, prompts)
     noise = torch.Generator().manual_seed(0)

@@ -112,20 +112,31 @@ def test_a_sample_depends_on_its_seed_not_on_the_samples_beside_it(engine, promp
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prompts, assets, tmp_path, mode):
+def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prompts, assets, tmp_path, monkeypatch,
+                                                                   mode):
     """Each parameter is moved; the engine then computes what transformers computes with the new
     weights (vLLM 0.32's CPU reload alone would keep the old packed experts and lm_head). Also
     in vLLM's graph mode (on CPU torch.compile at start-up, ``rollout_enforce_eager: false``),
-    whose compiled graph must read the reloaded storages: vLLM's layerwise reload promises it."""
+    whose compiled graph must read the reloaded storages: vLLM's layerwise reload promises it.
+    The staging buffer is cut to 64 KiB, so that a version goes in several updates (the demo
+    model, ~1 MB, fits one bucket of the default size): the buffer is overwritten mid-version
+    while the reload still holds earlier layers' tensors."""
+    import weight_sync
+
     if mode == "compiled":
         cfg = load_config(run_argv(assets, tmp_path, 1, "--rollout_enforce_eager", "false"))
         engine = build_engine(cfg, select_platform("cpu"), Layout(world_size=1, rank=0, num_learners=1),
                               AutoTokenizer.from_pretrained(assets / "model"), rollout_copy=None)
+    updates = []
+    monkeypatch.setattr(engine.weights, "capacity", weight_sync.staging_bytes(engine.weights, 64 * 2**10))
+    monkeypatch.setattr(engine, "update_weights", lambda info, send=engine.update_weights: updates.append(info)
+                        or send(info))
     try:
         check_weights_reach_the_engine(engine, prompts, assets)
     finally:
         if mode == "compiled":
             engine.close()
+    assert len(updates) > 2 * 2  # two versions, each in more than two updates
 
 
 def check_weights_reach_the_engine(engine, prompts, assets) -> None:

@@ -354,7 +354,7 @@ class Rollout:
         start = time.perf_counter()
         self.engine.load_weights(tensors)
         self.weight_version = version
-        self.weight_sync = (self.weight_sync[0], self.weight_sync[1] + time.perf_counter() - start)
+        self._count_weight_sync(0.0, time.perf_counter() - start)
 
     def load_checkpoint_weights(self, folder: Path, version: int) -> None:
         """A resumed rollout rank: weights ``version`` from a checkpoint's learner shards, read a
@@ -378,11 +378,13 @@ class Rollout:
                 start = time.perf_counter()
                 self.engine.finish_weights()
                 transfer, decode = broadcast.seconds
-                self.weight_sync = (self.weight_sync[0] + transfer,
-                                    self.weight_sync[1] + decode + time.perf_counter() - start)
+                self._count_weight_sync(transfer, decode + time.perf_counter() - start)
         assert version == self.weight_version + 1, f"weights arrived out of order: v{version} after v{self.weight_version}"
         self.weight_version = version
         return version
+
+    def _count_weight_sync(self, transfer: float, load: float) -> None:
+        self.weight_sync = (self.weight_sync[0] + transfer, self.weight_sync[1] + load)
 
     def take_weight_sync(self) -> tuple[float, float]:
         """The (transfer, load) seconds of the weight syncs since the last call: the broadcast's

@@ -203,7 +203,22 @@ def vllm_transport(platform_kind: str, tensor_parallel: int) -> str:
     return "ipc" if platform_kind == "cuda" and tensor_parallel == 1 else "shared_memory"
 
 
-class IpcWeights:
+class _VllmWeights:
+    """What both vLLM weight formats share: RolloutWeights' names, sizes and encoding (``form``),
+    the engine a full buffer goes to, and the bytes a buffer holds (``capacity``)."""
+
+    def __init__(self, form: Any, engine: Any, capacity: int) -> None:
+        self.form, self.engine, self.capacity = form, engine, capacity
+        self.names, self.shapes = form.names, form.shapes
+
+    def nbytes(self, index: int) -> int:
+        return self.form.nbytes(index)
+
+    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        return self.form.encode(index, tensor)
+
+
+class IpcWeights(_VllmWeights):
     """The weight format (WeightFormat) of a vLLM engine on the rank's own GPU, through vLLM's
     ``ipc`` transfer engine: names, sizes and encoding are RolloutWeights'; ``decode`` keeps
     each parameter where it arrived (a view of the broadcast buffer, in checkpoint names), and
@@ -215,16 +230,9 @@ class IpcWeights:
     init_info = {"packed": False}
 
     def __init__(self, form: Any, engine: Any, capacity: int) -> None:
-        self.form, self.engine, self.capacity = form, engine, capacity
-        self.names, self.shapes = form.names, form.shapes
+        super().__init__(form, engine, capacity)
         self.staged: list[tuple[str, torch.Tensor]] = []
         self.staged_bytes = 0
-
-    def nbytes(self, index: int) -> int:
-        return self.form.nbytes(index)
-
-    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        return self.form.encode(index, tensor)
 
     def decode(self, index: int, data: torch.Tensor) -> None:
         shape, dtype = self.shapes[index], self.form.dtype
@@ -245,7 +253,7 @@ class IpcWeights:
         self.staged, self.staged_bytes = [], 0
 
 
-class SharedMemoryWeights:
+class SharedMemoryWeights(_VllmWeights):
     """The weight format (WeightFormat) of a vLLM engine through our ``dapo_shared_memory``
     transfer engine (vllm_worker.SharedMemoryTransfer): names, sizes and encoding are
     RolloutWeights', while ``decode`` stages each parameter in a shared-memory buffer of one
@@ -254,21 +262,13 @@ class SharedMemoryWeights:
     backend = SHARED_MEMORY_BACKEND
 
     def __init__(self, form: Any, engine: Any, capacity: int, folder: str) -> None:
-        self.form, self.engine = form, engine
-        self.names, self.shapes = form.names, form.shapes
-        self.capacity = capacity
+        super().__init__(form, engine, capacity)
         handle, self.path = tempfile.mkstemp(prefix="dapo-vllm-weights-", dir=folder)
         os.close(handle)
         self.buffer = torch.from_file(self.path, shared=True, size=self.capacity, dtype=torch.uint8)
         self.staged: list[tuple[str, int, int, list[int], str]] = []
         self.offset = 0
         self.init_info = {"path": self.path, "capacity": capacity}
-
-    def nbytes(self, index: int) -> int:
-        return self.form.nbytes(index)
-
-    def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
-        return self.form.encode(index, tensor)
 
     def decode(self, index: int, data: torch.Tensor) -> None:
         size = data.numel()

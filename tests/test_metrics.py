@@ -171,32 +171,44 @@ def test_the_demo_writes_curves_completions_and_a_picture_and_a_resume_keeps_one
 
 # ----- report_to wandb and none -----------------------------------------------------------------
 
-def wandb_runs(wandb_dir: Path) -> list[dict]:
-    """The offline runs under ``wandb_dir``, oldest first, read back from their .wandb files (a
-    LevelDB-style log of wandb's protobuf records): project, name, config and every scalar as
-    {tag: [(step, value)]}."""
+def wandb_records(path: Path) -> list:
+    """The protobuf records of one .wandb file (a LevelDB-style log: 32 KiB blocks, each record
+    or piece of one behind a 7-byte header of crc32, length and type)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
 
-    block, header = 32768, 7  # the log's block size and its record header: crc32, length, type
+    block, header = 32768, 7
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, position, chunk = [], 7, b""
+    while position + header <= len(data):
+        if block - position % block < header:  # the rest of a block is padding
+            position += block - position % block
+            continue
+        length, kind = struct.unpack_from("<HB", data, position + 4)
+        chunk += data[position + header:position + header + length]
+        position += header + length
+        if kind in (1, 4):  # 1 a whole record, 4 the last piece of one
+            records.append(pb.Record.FromString(chunk))
+            chunk = b""
+    return records
+
+
+def wandb_runs(wandb_dir: Path) -> list[dict]:
+    """The offline runs under ``wandb_dir``, oldest first: project, name, config and every scalar
+    as {tag: [(step, value)]}. wandb's service process may still be writing a run's log when
+    ``finish()`` has returned, so a file is read until it ends with the run's exit record."""
+    import time
+
     runs = []
     for path in sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        data = path.read_bytes()
-        assert data[:4] == b":W&B"
-        run, position, chunk = {"scalars": {}, "config": {}}, 7, b""
-        while position + header <= len(data):
-            if block - position % block < header:  # the rest of a block is padding
-                position += block - position % block
-                continue
-            length, kind = struct.unpack_from("<HB", data, position + 4)
-            chunk += data[position + header:position + header + length]
-            position += header + length
-            if kind not in (1, 4):  # 1 a whole record, 4 the last piece of one
-                continue
-            record = pb.Record()
-            record.ParseFromString(chunk)
-            chunk = b""
+        deadline, records = time.monotonic() + 60, wandb_records(path)
+        while not (records and records[-1].HasField("exit")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            records = wandb_records(path)
+        run = {"scalars": {}, "config": {}}
+        for record in records:
             kind_of_record = record.WhichOneof("record_type")
             if kind_of_record == "run":
                 run.update(project=record.run.project, name=record.run.display_name)

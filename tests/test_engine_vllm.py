@@ -99,6 +99,11 @@ def test_a_sample_depends_on_its_seed_not_on_the_samples_beside_it(engine, promp
     each, as Rollout.generate_shard splits them) give the same samples."""
     rows, pad_id = prompts
     _, _, whole = sample(engine, prompts)
+    # Each of a prompt's 8 samples has its own seed: one seed per prompt would repeat its samples
+    # (hot sampling, as the demo model is sure of its answers at 0.7).
+    _, _, hot = sample(engine, prompts, sampling=Sampling(temperature=2.0, top_p=1.0))
+    distinct = {tuple(row.tolist()) for row in hot.response_ids}
+    assert len(distinct) > len(rows), f"{len(distinct)} distinct samples of {len(rows)} prompts"
     for shard in (0, 1):
         mine = list(range(len(rows)))[shard::2]
         ids, mask = left_pad([rows[p] for p in mine for _ in range(8)], 32, pad_id)

@@ -187,6 +187,8 @@ def wandb_records(path: Path) -> list:
             position += block - position % block
             continue
         length, kind = struct.unpack_from("<HB", data, position + 4)
+        if position + header + length > len(data):  # a record wandb is still writing
+            break
         chunk += data[position + header:position + header + length]
         position += header + length
         if kind in (1, 4):  # 1 a whole record, 4 the last piece of one

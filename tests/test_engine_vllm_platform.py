@@ -434,3 +434,49 @@ def test_weights_travel_in_layer_order_as_vllms_layerwise_reload_takes_them():
     names = RolloutWeights(moe_model(layers=3).config, "bf16").names
     groups = layerwise_groups(names)
     assert [name for group in groups for name in group] == names and len(groups) == 3 + 2
+
+
+class RecordingModel(torch.nn.Module):
+    """What vLLM's model is given by a transfer engine: each load_weights call's tensors, copied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[list[tuple[str, torch.Tensor]]] = []
+
+    def load_weights(self, weights) -> set:
+        self.calls.append([(name, tensor.clone()) for name, tensor in weights])
+        return {name for name, _ in self.calls[-1]}
+
+
+def test_our_transfer_engine_loads_each_staged_bucket_in_one_call_in_checkpoint_names(tmp_path):
+    """The worker's side of the shared-memory path (vllm_worker.SharedMemoryTransfer, in the
+    engine's process in a run): the staged bytes come back as the lead's tensors, under the
+    names vLLM's loader takes (fused experts split per expert), each bucket in one load_weights
+    call, as vLLM's ipc engine makes them (a call a tensor costs a walk of the model a tensor)."""
+    from types import SimpleNamespace
+
+    import weight_sync
+    from tests.test_decode import moe_model
+    from vllm_worker import SharedMemoryTransfer
+    from weight_sync import RolloutWeights, SharedMemoryWeights
+
+    policy = moe_model()
+    form = RolloutWeights(policy.config, "bf16")
+    engine = RecordingEngine()
+    staging = SharedMemoryWeights(form, engine, weight_sync.staging_bytes(form, 4096), folder=str(tmp_path))
+    model = RecordingModel()
+    worker = SharedMemoryTransfer(None, SimpleNamespace(parallel_config=None, model_config=None),
+                                  torch.device("cpu"), model)
+    worker.init_transfer_engine(worker.parse_init_info(staging.init_info))
+    # Each bucket is read before the next overwrites the file, as the engine's update call returns
+    # only once its worker has loaded it.
+    staging.engine = SimpleNamespace(update_weights=lambda info: engine.updates.append(info) or worker.update_weights(info))
+    params = [p.detach() for _, p in policy.named_parameters()]
+    for index, tensor in enumerate(params):
+        staging.decode(index, form.encode(index, tensor))
+    staging.flush()
+    assert len(model.calls) == len(engine.updates) > 1
+    received = [pair for call in model.calls for pair in call]
+    expected = [t for name, p in zip(form.names, params) for t in weight_sync.file_tensors(name, p.bfloat16())]
+    assert [name for name, _ in received] == [name for name, _ in expected]
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, expected))

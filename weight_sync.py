@@ -197,9 +197,12 @@ class WeightBroadcast:
 def vllm_transport(platform_kind: str, tensor_parallel: int) -> str:
     """How a rollout rank hands the buckets it received to its vLLM engine: "ipc" on CUDA with an
     engine on the rank's own GPU (its worker opens the rank's broadcast buffer there: no copy
-    through the host), "shared_memory" everywhere else: the CPU; NPU, until vllm-ascend's
-    npu_ipc engine is checked on a device; tensor-parallel engines, whose other workers sit on
-    GPUs the rank's buffer is not on."""
+    through the host), "shared_memory" everywhere else: the CPU; tensor-parallel engines, whose
+    other workers sit on GPUs the rank's buffer is not on; and NPU, where no transfer engine
+    takes our stream device to device: vllm-ascend's ``npu_ipc`` engine (its main at 182b75e,
+    for vLLM 0.27.1) opens reduce_tensor handles but runs no layerwise reload, so the expert
+    weights we send in checkpoint layout would land in experts it holds transposed, and its
+    packed receive loads nothing (docs/platform.md, "Weights into vLLM")."""
     return "ipc" if platform_kind == "cuda" and tensor_parallel == 1 else "shared_memory"
 
 

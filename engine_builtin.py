@@ -1,8 +1,8 @@
 """The built-in rollout engine (``rollout_engine: builtin``): a batched decode loop over a
 transformers model, in this process, on the rank's device.
 
-The loop (issue 22): the KV cache, the attention mask and the responses are allocated once per
-call (kv_cache.py), so no tensor grows with the step; the host reads the device once every
+The loop (issue 22): the KV cache and the attention mask are allocated once per engine and the
+responses once per call (kv_cache.py), so no tensor grows with the step; the host reads the device once every
 ``rollout_stop_check_every`` steps, to learn whether every row has stopped, and there compacts
 finished rows out of the batch; the decode step may run compiled (``rollout_compile``).
 
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from engine import Generation, Sampling, Seeds
-from kv_cache import KVCache, attending_through_cache
+from kv_cache import KVCache, attended_lengths, attending_through_cache
 from routing import RoutingRecorder
 
 try:  # a progress bar is a nicety, not a dependency of the math
@@ -59,31 +59,49 @@ def _choose_token(logits: torch.Tensor, *, greedy: bool, top_p: float, generator
 
 
 class _Decoder:
-    """The model's forward passes over a :class:`kv_cache.KVCache`: the prompt once, then one
-    token per row per step, compiled (``compile_mode``) or eager. Each returns the next-token
-    logits and, with ``record_routing``, the expert ids its tokens were routed to ([rows,
-    tokens, layers, top_k], routing.py), else None."""
+    """The model's forward passes over its :class:`kv_cache.KVCache` (``cache``, reused by every
+    call): the prompt once, then one token per row per step, compiled (``compile_mode``) or
+    eager. Each returns the next-token logits and, with ``record_routing``, the expert ids its
+    tokens were routed to ([rows, tokens, layers, top_k], routing.py), else None.
+
+    A compiled step is specialised on its rows and attended length (kv_cache.attended_length),
+    so the distinct step shapes of a run number (row counts) x (attended lengths): the row counts
+    of the calls and, below the largest, the powers of two compaction leaves; the attended
+    lengths of the cache's storage (kv_cache.attended_lengths, 28 for 4,096 positions).
+    ``step_shapes`` is that bound for the storage reserved, with two row counts of calls (a
+    training batch and a smaller last validation batch)."""
 
     def __init__(self, model: torch.nn.Module, compile_mode: Optional[str], record_routing: bool = False) -> None:
         self.model = model
         self.recorder = RoutingRecorder(model) if record_routing else None
+        self.compiled = compile_mode is not None
         self.step = self._step if compile_mode is None else _compiled(self._step, compile_mode)
+        embedding = model.get_input_embeddings().weight
+        self.cache = KVCache(model.config, dtype=embedding.dtype, device=embedding.device)
+
+    def reserve(self, rows: int, length: int) -> None:
+        """The cache's storage for calls of up to ``rows`` rows and ``length`` positions."""
+        self.cache.reserve(rows, length)
+        if self.compiled:  # dynamo keeps fewer graphs per function by default
+            for limit in ("recompile_limit", "accumulated_recompile_limit"):
+                setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), self.step_shapes()))
+
+    def step_shapes(self) -> int:
+        rows, length = self.cache.capacity
+        return (2 + (rows - 1).bit_length()) * attended_lengths(length)
 
     def recording(self) -> Any:
         return self.recorder.recording() if self.recorder is not None else nullcontext()
 
-    def prefill(self, cache: KVCache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        dtype = next(self.model.parameters()).dtype
-        out = self.model(input_ids=prompt_ids, attention_mask=cache.prefill_mask(prompt_mask, dtype),
-                         position_ids=positions, use_cache=False, logits_to_keep=1, kv_cache=cache)
+        out = self.model(input_ids=prompt_ids, attention_mask=self.cache.prefill_mask(prompt_mask),
+                         position_ids=positions, use_cache=False, logits_to_keep=1, kv_cache=self.cache)
         return out.logits[:, -1], self._routing(prompt_ids.shape[0])
 
-    def _step(self, cache: KVCache, token: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        out = self.model(input_ids=token[:, None], attention_mask=cache.decode_mask(), position_ids=positions,
-                         use_cache=False, logits_to_keep=1, kv_cache=cache)
-        cache.advance()
+    def _step(self, token: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        out = self.model(input_ids=token[:, None], attention_mask=self.cache.decode_mask(), position_ids=positions,
+                         use_cache=False, logits_to_keep=1, kv_cache=self.cache)
         return out.logits[:, -1], self._routing(token.shape[0])
 
     def _routing(self, rows: int) -> Optional[torch.Tensor]:
@@ -91,9 +109,7 @@ class _Decoder:
 
 
 def _compiled(step: Any, mode: str) -> Any:
-    # One graph per (rows, cache length): prompt widths come in buckets (data.bucket_size) and
-    # compaction halves the rows, so shapes repeat; more of them than dynamo keeps by default.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # One graph per step shape (_Decoder's docstring), each specialised: no dynamic shapes.
     return torch.compile(step, mode=None if mode == "default" else mode, dynamic=False)
 
 
@@ -171,7 +187,8 @@ def generate(
     device = prompt_ids.device
     n, width = prompt_ids.shape
     decoder = decoder or _Decoder(model, None)
-    cache = KVCache(model.config, rows=n, length=width + max_new_tokens, device=device)
+    decoder.reserve(n, width + max_new_tokens)
+    cache = decoder.cache
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     rows = torch.arange(n, device=device)  # the call's row each batch row is
     finished = torch.zeros(n, dtype=torch.bool, device=device)
@@ -180,7 +197,7 @@ def generate(
     if progress and tqdm is not None and sys.stderr.isatty():
         steps = tqdm(steps, desc="generating", leave=False, file=sys.stderr)
     with attending_through_cache(model), decoder.recording():
-        logits, routing = decoder.prefill(cache, prompt_ids, prompt_mask, positions)
+        logits, routing = decoder.prefill(prompt_ids, prompt_mask, positions)
         responses = _Responses(n, max_new_tokens, pad_id, device, prompt_routing=routing)
         positions = positions[:, -1:]
         for step in steps:
@@ -201,24 +218,30 @@ def generate(
                     cache.keep(keep)
                     rows, finished, token, positions = rows[keep], finished[keep], token[keep], positions[keep]
             positions = positions + 1
-            logits, routing = decoder.step(cache, token, positions)
+            logits, routing = decoder.step(token, positions)
+            cache.advance()
             responses.route(step, rows, routing)
     return responses.generation(rows, finished)
 
 
 class BuiltinEngine:
     """The rollout copy of the policy (a transformers model on the rank's device) and the decode
-    loop above. ``weights`` (weight_sync.RolloutWeights) decodes synced weights into the model."""
+    loop above. ``weights`` (weight_sync.RolloutWeights) decodes synced weights into the model.
+    The KV cache is reserved here for calls of up to ``max_rows`` rows of prompts up to
+    ``max_prompt_width`` wide (a call beyond them gets a larger one)."""
 
     def __init__(self, model: torch.nn.Module, weights: Any, *, device: torch.device, stop_ids: Sequence[int],
                  pad_id: int, max_new_tokens: int, stop_check_every: int = 8,
-                 compile_mode: Optional[str] = None, record_routing: bool = False) -> None:
+                 compile_mode: Optional[str] = None, record_routing: bool = False,
+                 max_rows: int = 0, max_prompt_width: int = 0) -> None:
         self.model = model.eval().requires_grad_(False)
         self.weights = weights
         self.weights.bind(self.model)
         self.device, self.stop_ids, self.pad_id, self.max_new_tokens = device, list(stop_ids), pad_id, max_new_tokens
         self.stop_check_every = stop_check_every
         self.decoder = _Decoder(self.model, compile_mode, record_routing)
+        if max_rows:
+            self.decoder.reserve(max_rows, max_prompt_width + max_new_tokens)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, sampling: Sampling,
                  seeds: Seeds) -> Generation:
@@ -239,4 +262,4 @@ class BuiltinEngine:
 
     def memory(self) -> dict[str, Optional[int]]:
         weights = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return {"weights": weights, "kv_cache": None}  # the cache lives only during a call (kv_cache.py)
+        return {"weights": weights, "kv_cache": self.decoder.cache.nbytes()}

@@ -167,6 +167,9 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
     that reads model_path itself then takes."""
     settings = dict(stop_ids=stop_ids(cfg, tokenizer), pad_id=tokenizer.pad_token_id,
                     max_new_tokens=cfg.rollout.max_response_length)
+    # The most sequences one call has: the engine's share of a step's prompts, each sample_num
+    # times (a validation batch is as large, Rollout.val_batch_size).
+    sequences = math.ceil(cfg.rollout.prompts_per_step / layout.num_engines) * cfg.rollout.sample_num
     if cfg.model.rollout_engine == "vllm":
         from transformers import AutoConfig
 
@@ -178,7 +181,6 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
         derived = Derived.of(cfg, layout.world_size)
         planned = memory_plan.rollout_rank(cfg, derived, memory_plan.Architecture.of(model_config))
         device_memory = int(cfg.run.device_memory_gb * 2**30) if cfg.run.device_memory_gb else plat.memory_bytes()
-        sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_engines) * cfg.rollout.sample_num
         engine = VllmEngine(cfg, plat, layout, RolloutWeights(model_config, wire_dtype(cfg)), planned=planned,
                             sequences=sequences, device_memory=device_memory,
                             routing=RoutingShape.of(model_config) if cfg.algo.routing_replay else None, **settings)
@@ -191,7 +193,8 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
     return BuiltinEngine(model, RolloutWeights(model.config, cfg.model.rollout_dtype), device=plat.device,
                          stop_check_every=cfg.rollout.rollout_stop_check_every,
                          compile_mode=decode_compile_mode(plat.kind, cfg.rollout.rollout_compile),
-                         record_routing=cfg.algo.routing_replay, **settings)
+                         record_routing=cfg.algo.routing_replay, max_rows=sequences,
+                         max_prompt_width=bucket_bound(cfg.data.max_prompt_length, cfg.data.bucket_size), **settings)
 
 
 class RolloutWorker:

@@ -1,7 +1,7 @@
 """The built-in engine's decode loop on a model wider than the demo's (issue 22), paired in one run.
 
     OMP_NUM_THREADS=1 python bench/decode.py [--hidden 512] [--layers 4] [--experts 16] [--top_k 4]
-        [--rows 16] [--prompt_len 16] [--short 32] [--long 512] [--rounds 3] [--no-compile]
+        [--rows 16] [--prompt_len 16] [--short 32] [--long 512] [--context 4096] [--rounds 3] [--no-compile]
 
 A random Qwen3-MoE (hidden 512, 4 layers, 16 experts top-4 by default), its bf16 and FP8
 rollout copies; every case generates ``rows`` responses with no stop id (so every row runs the
@@ -15,6 +15,12 @@ median over rounds of the per-round ratios:
 - compiled / eager (rollout_compile: the decode step through torch.compile, inductor; the first
   call, which compiles, is not timed);
 - new / old: this loop against the one before kv_cache.py (kept below, as it was).
+
+Then the attended length (kv_cache.attended_length): one bf16 decode step's time attending over
+64, 128, ... ``context`` positions, and from those (interpolated) the time of a call's steps from
+the prompt to ``context`` positions under three ways of rounding the filled prefix up, against
+attending over exactly the filled positions, with the distinct step shapes each compiles (per
+row count); and attending over the whole storage, as the loop before the filled prefix did.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,6 +39,7 @@ import engine_builtin  # noqa: E402
 from device import decode_compile_mode, experts_implementation  # noqa: E402
 from engine import Generation, Sampling  # noqa: E402
 from fp8 import convert_to_fp8  # noqa: E402
+from kv_cache import attended_length, attending_through_cache  # noqa: E402
 
 
 @torch.no_grad()
@@ -80,11 +88,47 @@ def build(args) -> dict[str, torch.nn.Module]:
             "fp8": convert_to_fp8(copy.deepcopy(policy), torch.bfloat16)}
 
 
+def attended_step_seconds(model, ids, mask, context: int, rounds: int) -> dict[int, float]:
+    """The median seconds of one eager decode step attending over each power of two from 64 to
+    ``context`` positions (the cache's attended length set by hand; what it reads is not the point)."""
+    decoder = engine_builtin._Decoder(model, None)
+    decoder.reserve(ids.shape[0], context)
+    lengths = [64 << k for k in range((context // 64).bit_length())]
+    token, positions = ids[:, -1], torch.full((ids.shape[0], 1), ids.shape[1])
+    seconds = {length: [] for length in lengths}
+    with torch.no_grad(), attending_through_cache(model):
+        decoder.prefill(ids, mask, torch.arange(ids.shape[1]).expand_as(ids))
+        for _ in range(rounds):
+            for length in lengths:
+                decoder.cache.attended = length
+                start = time.perf_counter()
+                decoder.step(token, positions)
+                seconds[length].append(time.perf_counter() - start)
+    return {length: statistics.median(times) for length, times in seconds.items()}
+
+
+def print_attended(seconds: dict[int, float], prompt_len: int, context: int) -> None:
+    lengths = list(seconds)
+    step = lambda attended: np.interp(attended, lengths, [seconds[n] for n in lengths])  # noqa: E731
+    filled = range(prompt_len + 1, context + 1)
+    exact = sum(step(f) for f in filled)
+    print(f"a decode step attending over {', '.join(str(n) for n in lengths)} positions: "
+          + ", ".join(f"{seconds[n] * 1000:.1f}" for n in lengths) + " ms")
+    rules = {"multiples of 16": lambda f: -(-f // 16) * 16,
+             "four per doubling (this loop)": lambda f: attended_length(f, context),
+             "powers of two": lambda f: 1 << (f - 1).bit_length()}
+    print(f"a call's steps from {prompt_len + 1} to {context} filled positions, against attending over exactly them:")
+    for name, rule in rules.items():
+        attended = [min(rule(f), context) for f in filled]
+        print(f"  {name:<30} {sum(step(a) for a in attended) / exact:.3f}   {len(set(attended))} step shapes")
+    print(f"  {'the whole storage':<30} {step(context) * len(filled) / exact:.3f}   1 step shape")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in (("hidden", 512), ("layers", 4), ("experts", 16), ("top_k", 4), ("moe_intermediate", 256),
                           ("vocab", 4096), ("rows", 16), ("prompt_len", 16), ("short", 32), ("long", 512),
-                          ("rounds", 3)):
+                          ("context", 4096), ("rounds", 3)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     args = parser.parse_args(argv)
@@ -131,6 +175,8 @@ def main(argv=None) -> None:
         print(f"compiled / eager:              {ratio('compiled short', 'bf16 short'):.3f}")
     print(f"new / old loop, short:         {ratio('bf16 short', 'old short'):.3f}")
     print(f"new / old loop, long:          {ratio('bf16 long', 'old long'):.3f}")
+    print_attended(attended_step_seconds(models["bf16"], ids, mask, args.context, 5 * args.rounds), args.prompt_len,
+                   args.context)
 
 
 if __name__ == "__main__":

@@ -188,3 +188,70 @@ def test_compiled_decode_step_gives_the_eager_tokens():
     assert compiled.routed_experts.shape == (4, 8 + 12, 1, 2) and torch.equal(eager.routed_experts,
                                                                               compiled.routed_experts)
     torch.testing.assert_close(eager.logp, compiled.logp, atol=1e-5, rtol=0)
+
+
+def test_the_engine_keeps_one_static_cache_for_every_call(model, monkeypatch):
+    """The engine reserves its cache once, at full size (the memory it reports); calls of fewer
+    rows and narrower prompts, with finished rows compacted out, decode in that same storage,
+    marked as static addresses, and draw the tokens a call with a cache of its own draws."""
+    from engine import Seeds
+    from weight_sync import RolloutWeights
+
+    engine = engine_builtin.BuiltinEngine(model, RolloutWeights(model.config, "fp32"), device=torch.device("cpu"),
+                                          stop_ids=list(range(1, 24)), pad_id=0, max_new_tokens=32,
+                                          stop_check_every=4, max_rows=16, max_prompt_width=24)
+    cache = engine.decoder.cache
+    storage = lambda: [cache.keys, cache.values, cache.mask, cache.column]  # noqa: E731
+    reserved = [t.data_ptr() for t in storage()]
+    text = model.config
+    per_row = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4 + 4  # fp32 keys, values, mask
+    assert engine.memory()["kv_cache"] == 16 * (24 + 32) * per_row
+    calls = []
+    keep = engine_builtin._compacted_rows
+    monkeypatch.setattr(engine_builtin, "_compacted_rows", lambda *a: calls.append(keep(*a)) or calls[-1])
+    for rows, width in ((16, 24), (10, 8), (16, 12)):
+        ids, mask = prompts(rows, width, seed=rows + width)
+        gen = engine.generate(ids, mask, sampling=Sampling(temperature=1.0), seeds=Seeds(batch=width, per_sample=[]))
+        own = generate(model, ids, mask, max_new_tokens=32, stop_ids=engine.stop_ids, pad_id=0,
+                       sampling=Sampling(temperature=1.0), generator=torch.Generator().manual_seed(width),
+                       stop_check_every=4)
+        assert torch.equal(gen.response_ids, own.response_ids) and torch.equal(gen.truncated, own.truncated)
+        torch.testing.assert_close(gen.logp, own.logp, atol=1e-5, rtol=0)
+        assert [t.data_ptr() for t in storage()] == reserved
+    assert any(rows is not None for rows in calls), "no compaction happened: the test proves nothing"
+    assert all(t._dynamo_static_input_type for t in storage())  # what torch._dynamo.mark_static_address sets
+
+
+def test_compiled_steps_one_graph_per_rows_and_attended_length_mutating_static_inputs(monkeypatch):
+    """Two calls of different prompt widths into one reserved cache, compiled: one graph per
+    attended length met (filled positions rounded up to 16, 32, then the storage's 40), not per
+    step, within the decoder's stated bound; and every input a graph mutates (the cache's keys,
+    values and mask) is among the static inputs, so CUDA graphs take the step (inductor skips
+    graphs that mutate any other input)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def inspect(gm, example_inputs):
+        # What inductor reads to decide on CUDA graphs (compile_fx.get_static_input_idxs)
+        meta = torch._guards.TracingContext.try_get().fw_metadata
+        graphs.append(({i for i, info in enumerate(meta.input_info) if info.mutates_data},
+                       set(meta.static_input_indices)))
+        return gm.forward
+
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda step, mode, dynamic: compile(
+        step, backend=aot_autograd(fw_compiler=inspect), dynamic=dynamic))
+    model = moe_model(layers=1)
+    decoder = engine_builtin._Decoder(model, device.decode_compile_mode("cpu", True))
+    decoder.reserve(4, 20 + 20)
+    steps = 0
+    for width in (8, 20):
+        ids, mask = prompts(4, width)
+        gen = generate(model, ids, mask, max_new_tokens=20, stop_ids=[], pad_id=0, sampling=Sampling(greedy=True),
+                       decoder=decoder)
+        steps += gen.response_ids.shape[1] - 1
+    # call 1 attends over 16 (9..16 filled), 32 (17..27); call 2 over 32 (21..32), 40 (33..39)
+    assert steps == 38 and len(graphs) == 3 <= decoder.step_shapes()
+    for mutated, static in graphs:
+        assert len(mutated) == 3 and mutated <= static, (mutated, static)

@@ -1,11 +1,13 @@
 """Generation with the KV cache, stop tokens, top_p, sample batches and the dynamic-sampling pool."""
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import engine_builtin
 from data_prep import load_prompts
-from engine import Sampling
+from engine import Sampling, Seeds
 from engine_builtin import generate
 from rollout import GroupPool, keep_informative, left_pad
 from samples import SampleBatch
@@ -107,3 +109,26 @@ def test_pool_keeps_informative_groups_and_carries_the_surplus():
     pool.add(fake_batch([1, 0], 2, first_prompt=7))
     nxt = pool.take(2)
     assert nxt.prompt_index.tolist() == [4, 4, 7, 7] and pool.num_groups == 0
+
+
+def test_a_runs_builtin_engine_reserves_its_cache_for_the_largest_call_at_start(demo_assets):
+    """build_engine sizes the cache for a step's share of sequences at the widest prompt bucket, so
+    no call of the run allocates another (a compiled step's static addresses stay put)."""
+    from config import load_config
+    from device import select_platform
+    from ranks import Layout
+    from rollout import build_engine
+
+    cfg = load_config(["--config", str(Path(__file__).parents[1] / "configs" / "demo_cpu.yaml"), "--model_path", str(demo_assets / "model"),
+                       "--dataset", str(demo_assets / "train.jsonl")])
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "model")
+    model = AutoModelForCausalLM.from_pretrained(demo_assets / "model", dtype=torch.float32)
+    layout = Layout(world_size=8, rank=1, num_learners=2)  # 6 engines: one prompt of the step's 6 each
+    engine = build_engine(cfg, select_platform("cpu"), layout, tokenizer, lambda: model)
+    cache = engine.decoder.cache
+    assert cache.capacity == (8, 64 + 8)  # 1 prompt x 8 samples; max_prompt_length 64, new tokens 8
+    storage = cache.keys.data_ptr()
+    rows = load_prompts(demo_assets / "val.jsonl", tokenizer).prompt_ids[:1]
+    ids, mask = left_pad([rows[0]] * 8, 64, tokenizer.pad_token_id)
+    engine.generate(ids, mask, sampling=Sampling(), seeds=Seeds.of(0, 1, 1, 0, [0], 8))
+    assert cache.capacity == (8, 64 + 8) and cache.keys.data_ptr() == storage

@@ -104,6 +104,13 @@ class _Decoder:
                          use_cache=False, logits_to_keep=1, kv_cache=self.cache)
         return out.logits[:, -1], self._routing(token.shape[0])
 
+    def next_token(self, token: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A decode step, then the cache's column advanced (outside the step, which a compile
+        specialises on the attended length, not on the column)."""
+        out = self.step(token, positions)
+        self.cache.advance()
+        return out
+
     def _routing(self, rows: int) -> Optional[torch.Tensor]:
         return None if self.recorder is None else self.recorder.take(rows)
 
@@ -111,6 +118,13 @@ class _Decoder:
 def _compiled(step: Any, mode: str) -> Any:
     # One graph per step shape (_Decoder's docstring), each specialised: no dynamic shapes.
     return torch.compile(step, mode=None if mode == "default" else mode, dynamic=False)
+
+
+def _with_progress_bar(steps: range) -> Iterable[int]:
+    """The decode steps, with a progress bar where stderr is a terminal."""
+    if tqdm is None or not sys.stderr.isatty():
+        return steps
+    return tqdm(steps, desc="generating", leave=False, file=sys.stderr)
 
 
 def _compacted_rows(finished: torch.Tensor, active: int) -> Optional[torch.Tensor]:
@@ -188,14 +202,11 @@ def generate(
     n, width = prompt_ids.shape
     decoder = decoder or _Decoder(model, None)
     decoder.reserve(n, width + max_new_tokens)
-    cache = decoder.cache
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     rows = torch.arange(n, device=device)  # the call's row each batch row is
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-    steps = range(max_new_tokens)
-    if progress and tqdm is not None and sys.stderr.isatty():
-        steps = tqdm(steps, desc="generating", leave=False, file=sys.stderr)
+    steps = _with_progress_bar(range(max_new_tokens)) if progress else range(max_new_tokens)
     with attending_through_cache(model), decoder.recording():
         logits, routing = decoder.prefill(prompt_ids, prompt_mask, positions)
         responses = _Responses(n, max_new_tokens, pad_id, device, prompt_routing=routing)
@@ -215,11 +226,10 @@ def generate(
                     break
                 keep = _compacted_rows(finished, active) if compact else None
                 if keep is not None:
-                    cache.keep(keep)
+                    decoder.cache.keep(keep)
                     rows, finished, token, positions = rows[keep], finished[keep], token[keep], positions[keep]
             positions = positions + 1
-            logits, routing = decoder.step(token, positions)
-            cache.advance()
+            logits, routing = decoder.next_token(token, positions)
             responses.route(step, rows, routing)
     return responses.generation(rows, finished)
 

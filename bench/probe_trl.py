@@ -49,23 +49,32 @@ def trl_config(plat: Platform, probe: Probe, run_dir: Path):
         report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
 
 
-def timed_trainer(plat: Platform, probe: Probe, run_dir: Path):
-    """A GRPOTrainer on the probe that records how long each generation takes, and a callback
-    that records when each optimizer step ends (TRL's own step_time leaves the optimizer out)."""
-    from datasets import Dataset
+def timed_trainer(plat: Platform, model_path: Path, reward_funcs: Any, args: Any, train_dataset: Any):
+    """A GRPOTrainer on ``model_path`` that records, for each generation batch, the seconds of its
+    generation (``generation_seconds``) and of its whole making (``batch_seconds``: the generation,
+    the rewards and advantages, and the old log-probs where TRL computes them), and a callback that
+    records when each optimizer step ends (TRL's own step_time leaves the optimizer out)."""
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOTrainer
+
+    def timed(seconds: list[float], call: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = call(*args, **kwargs)
+        plat.synchronize()
+        seconds.append(time.perf_counter() - start)
+        return result
 
     class TimedGRPOTrainer(GRPOTrainer):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.generation_seconds: list[float] = []
+            self.batch_seconds: list[float] = []
 
         def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:  # TRL 1.x: one generation batch
-            start = time.perf_counter()
-            generated = super()._generate_single_turn(*args, **kwargs)
-            self.generation_seconds.append(time.perf_counter() - start)
-            return generated
+            return timed(self.generation_seconds, super()._generate_single_turn, *args, **kwargs)
+
+        def _generate_and_score_completions(self, *args: Any, **kwargs: Any) -> Any:
+            return timed(self.batch_seconds, super()._generate_and_score_completions, *args, **kwargs)
 
     class StepEnds(TrainerCallback):
         def __init__(self) -> None:
@@ -79,13 +88,18 @@ def timed_trainer(plat: Platform, probe: Probe, run_dir: Path):
             plat.synchronize()  # the optimizer step's kernels belong to this step
             self.times.append(time.perf_counter())
 
-    prompts = [json.loads(line)["prompt"] for line in probe.dataset.read_text().splitlines()]
     step_ends = StepEnds()
-    trainer = TimedGRPOTrainer(
-        model=str(probe.model_path), reward_funcs=trl_zero_reward, args=trl_config(plat, probe, run_dir),
-        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": text}]} for text in prompts]),
-        processing_class=AutoTokenizer.from_pretrained(probe.model_path), callbacks=[step_ends])
+    trainer = TimedGRPOTrainer(model=str(model_path), reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                               processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[step_ends])
     return trainer, step_ends
+
+
+def probe_dataset(probe: Probe):
+    """The probe's prompts as TRL's conversational dataset."""
+    from datasets import Dataset
+
+    prompts = [json.loads(line)["prompt"] for line in probe.dataset.read_text().splitlines()]
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": text}]} for text in prompts])
 
 
 def ratio_text(out: Path, step: float, learner: float) -> str:
@@ -113,7 +127,8 @@ def main() -> int:
     probe = load_probe(args.out / "probe")
     if plat.module is not None:
         plat.module.reset_peak_memory_stats()
-    trainer, step_ends = timed_trainer(plat, probe, args.out / "probe_trl")
+    trainer, step_ends = timed_trainer(plat, probe.model_path, trl_zero_reward,
+                                       trl_config(plat, probe, args.out / "probe_trl"), probe_dataset(probe))
     trainer.train()
     peak = f"{plat.module.max_memory_allocated() / 2**30:.1f} GiB" if plat.module is not None else "n/a on cpu"
     first, last = MEASURED_STEPS[0], MEASURED_STEPS[-1]

@@ -2,9 +2,10 @@
 transformers model, in this process, on the rank's device.
 
 The loop (issue 22): the KV cache and the attention mask are allocated once per engine and the
-responses once per call (kv_cache.py), so no tensor grows with the step; the host reads the device once every
-``rollout_stop_check_every`` steps, to learn whether every row has stopped, and there compacts
-finished rows out of the batch; the decode step may run compiled (``rollout_compile``).
+responses once per call (kv_cache.py), so no tensor grows with the step; the host reads the
+device once every ``rollout_stop_check_every`` steps, to learn whether every row has stopped,
+and there compacts finished rows out of the batch; the decode step may run compiled
+(``rollout_compile``).
 
 Every step draws one uniform number per row of the call from one generator seeded with
 ``Seeds.batch`` (engine.py), so a row's tokens depend on its place in the call and the call's
@@ -120,9 +121,9 @@ def _compiled(step: Any, mode: str) -> Any:
     return torch.compile(step, mode=None if mode == "default" else mode, dynamic=False)
 
 
-def _with_progress_bar(steps: range) -> Iterable[int]:
-    """The decode steps, with a progress bar where stderr is a terminal."""
-    if tqdm is None or not sys.stderr.isatty():
+def _with_progress_bar(steps: range, *, shown: bool) -> Iterable[int]:
+    """The decode steps, with a progress bar when ``shown`` and stderr is a terminal."""
+    if not shown or tqdm is None or not sys.stderr.isatty():
         return steps
     return tqdm(steps, desc="generating", leave=False, file=sys.stderr)
 
@@ -206,7 +207,7 @@ def generate(
     rows = torch.arange(n, device=device)  # the call's row each batch row is
     finished = torch.zeros(n, dtype=torch.bool, device=device)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
-    steps = _with_progress_bar(range(max_new_tokens)) if progress else range(max_new_tokens)
+    steps = _with_progress_bar(range(max_new_tokens), shown=progress)
     with attending_through_cache(model), decoder.recording():
         logits, routing = decoder.prefill(prompt_ids, prompt_mask, positions)
         responses = _Responses(n, max_new_tokens, pad_id, device, prompt_routing=routing)

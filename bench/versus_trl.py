@@ -60,7 +60,7 @@ DEMO_CONFIG = ROOT / "configs" / "demo_cpu.yaml"
 TRL_TIMES = "trl_times.json"
 PROMPT_IDS = "prompt_ids.json"  # in the assets folder: our run's prompt tokens, for the TRL side to check
 HOW_TO_GET_TRL = ("SKIP versus_trl: pass --trl-python, the python of a virtual environment with torch and trl "
-                  "(python -m venv VENV && VENV/bin/pip install torch trl==1.16.0 datasets)")
+                  "(python -m venv VENV && VENV/bin/pip install torch==2.13.0 trl==1.16.0 datasets)")
 
 
 def demo_argv(assets: Path, out: Path, steps: int) -> list[str]:

@@ -470,7 +470,8 @@ def test_our_transfer_engine_loads_each_staged_bucket_in_one_call_in_checkpoint_
     worker.init_transfer_engine(worker.parse_init_info(staging.init_info))
     # Each bucket is read before the next overwrites the file, as the engine's update call returns
     # only once its worker has loaded it.
-    staging.engine = SimpleNamespace(update_weights=lambda info: engine.updates.append(info) or worker.update_weights(info))
+    staging.engine = SimpleNamespace(
+        update_weights=lambda info: engine.updates.append(info) or worker.update_weights(info))
     params = [p.detach() for _, p in policy.named_parameters()]
     for index, tensor in enumerate(params):
         staging.decode(index, form.encode(index, tensor))

@@ -119,8 +119,8 @@ def test_a_runs_builtin_engine_reserves_its_cache_for_the_largest_call_at_start(
     from ranks import Layout
     from rollout import build_engine
 
-    cfg = load_config(["--config", str(Path(__file__).parents[1] / "configs" / "demo_cpu.yaml"), "--model_path", str(demo_assets / "model"),
-                       "--dataset", str(demo_assets / "train.jsonl")])
+    cfg = load_config(["--config", str(Path(__file__).parents[1] / "configs" / "demo_cpu.yaml"),
+                       "--model_path", str(demo_assets / "model"), "--dataset", str(demo_assets / "train.jsonl")])
     tokenizer = AutoTokenizer.from_pretrained(demo_assets / "model")
     model = AutoModelForCausalLM.from_pretrained(demo_assets / "model", dtype=torch.float32)
     layout = Layout(world_size=8, rank=1, num_learners=2)  # 6 engines: one prompt of the step's 6 each

@@ -13,6 +13,7 @@ import json
 import os
 import platform as host
 import random
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -542,15 +543,114 @@ DECODE_COMPILE_MODE = {"cuda": "reduce-overhead", "cpu": "default", "npu": "defa
 DECODE_COMPILE_BY_DEFAULT = {"cuda": True, "cpu": False, "npu": False}
 
 
-def ipc_handle(tensor: torch.Tensor) -> dict[str, tuple]:
-    """A CUDA tensor shared with another process of the same GPU, as vLLM's ``ipc`` weight-transfer
-    engine takes it: {the GPU's UUID: torch's rebuild arguments} (torch.multiprocessing's
-    reduce_tensor; the receiver opens it on its own index of that GPU). The arguments do not keep
-    the storage alive: the caller does, until the receiver has copied from it."""
-    from torch.multiprocessing.reductions import reduce_tensor
+# ----- tensors another process of the node opens in place: a rollout rank's weights, read by its
+# vLLM engine's workers (weight_sync.IpcWeights, vllm_worker.WeightTransfer) --------------------
 
-    _, args = reduce_tensor(tensor)
-    return {str(torch.cuda.get_device_properties(tensor.device).uuid): args}
+def ipc_key(device: torch.device, position: int = 0) -> str:
+    """Which copy of a shared bucket a process on ``device`` opens: the device's identity, the
+    same in every process of the node whatever devices each sees (CUDA: the GPU's UUID; NPU: the
+    chip's number on the node, through ASCEND_RT_VISIBLE_DEVICES). On a CPU every process reaches
+    every copy, so the key is ``position``, a rank's place in its engine's group: each
+    tensor-parallel worker opens its own rank's copy, as it must on a device."""
+    kind = kind_of(device.type)
+    index = device.index or 0
+    if kind == "cuda":
+        return str(torch.cuda.get_device_properties(index).uuid)
+    if kind == "npu":
+        visible = [entry.strip() for entry in os.environ.get(VISIBLE_DEVICES_VARIABLE["npu"], "").split(",")
+                   if entry.strip()]
+        return f"npu-{visible[index] if visible else index}"
+    return f"host-{position}"
+
+
+def shareable_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` uint8 that another process of the node can open in place (:func:`ipc_handle`):
+    any device memory; on a CPU, shared memory that another process maps by name (torch's
+    file_system sharing)."""
+    if device.type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_using_filename_cpu(nbytes))
+
+
+def ipc_handle(tensor: torch.Tensor) -> tuple:
+    """What another process of the node opens the whole storage under ``tensor`` from, without a
+    copy (:func:`open_ipc_handle`): torch's rebuild arguments on a device (reduce_tensor, which
+    torch_npu replaces with its own on NPU), the shared memory's name on a CPU. It does not keep
+    the storage alive: the caller does, until the receiver has copied from it."""
+    whole = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    if tensor.device.type == "cpu":
+        before = whole.data_ptr()
+        manager, name, size = whole.untyped_storage()._share_filename_cpu_()
+        if whole.data_ptr() != before:  # torch moved it into shared memory: a copy, and a handle to the copy
+            raise ValueError("ipc_handle: a CPU tensor must live in a shareable_buffer")
+        return manager, name, size
+    from torch.multiprocessing import reductions
+
+    _, args = reductions.reduce_tensor(whole)
+    return args
+
+
+def open_ipc_handle(handle: tuple, device: torch.device) -> torch.Tensor:
+    """The uint8 storage :func:`ipc_handle` shared, opened in this process on ``device`` (its
+    index replaces the sender's: each process numbers the devices it sees from 0)."""
+    kind = kind_of(device.type)
+    if kind == "cpu":
+        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared_filename_cpu(*handle))
+    if kind == "cuda":
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor as rebuild
+    else:
+        from torch_npu.multiprocessing.reductions import rebuild_npu_tensor as rebuild
+    args = list(handle)
+    args[6] = device.index or 0  # rebuild's storage_device
+    return rebuild(*args)
+
+
+# verl's gate on NPU IPC (verl/utils/device.py): torch_npu's shared NPU memory needs an Ascend
+# driver and a CANN toolkit at least this new; below it the weights go through shared memory.
+NPU_IPC_MINIMUM = {"driver": "25.3.RC1", "cann": "8.3.RC1"}
+
+
+def ascend_version(text: str) -> Optional[tuple[int, ...]]:
+    """An Ascend version ("25.3.RC1", "8.3.rc1", "25.5.0", "8.5.0.alpha002") as a tuple that
+    orders them: a release candidate before its release, an alpha or beta before both."""
+    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(rc|alpha|beta|t)?(\d+))?", text, flags=re.IGNORECASE)
+    if match is None:
+        return None
+    major, minor, stage, number = match.groups()
+    rank = {"alpha": 0, "beta": 1, "t": 1, "rc": 2}.get((stage or "").lower(), 3)
+    return int(major), int(minor), rank, int(number or 0)
+
+
+def npu_ipc_problem() -> Optional[str]:
+    """Why this node's NPU memory cannot be shared with a vLLM engine's process, or None."""
+    return ascend_versions_problem(npu_driver_version(), _cann_version())
+
+
+def ascend_versions_problem(driver: Optional[str], cann: Optional[str]) -> Optional[str]:
+    """Why an Ascend driver and CANN toolkit cannot share NPU memory between processes, or None:
+    either older than NPU_IPC_MINIMUM, or its version not found."""
+    for name, found in (("driver", driver), ("cann", cann)):
+        version = ascend_version(found or "")
+        if version is None:
+            return f"the Ascend {name} version was not found"
+        if version < ascend_version(NPU_IPC_MINIMUM[name]):
+            return f"the Ascend {name} is {found}, below {NPU_IPC_MINIMUM[name]}"
+    return None
+
+
+def npu_driver_version() -> Optional[str]:
+    """The driver's "Software Version" in ``npu-smi info -t board -i 0``, or None."""
+    import subprocess
+
+    try:
+        board = subprocess.run(["npu-smi", "info", "-t", "board", "-i", "0"], capture_output=True, text=True,
+                               timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in board.splitlines():
+        if line.strip().lower().startswith("software version"):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
 # Where vLLM captures graphs unless told otherwise (rollout_enforce_eager null): CUDA. On the CPU
@@ -651,13 +751,17 @@ def _cann_version() -> Optional[str]:
     home = os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH")
     candidates = [Path(home)] if home else []
     candidates.append(Path("/usr/local/Ascend/ascend-toolkit/latest"))
+    names = (f"{host.machine()}-linux/ascend_toolkit_install.info", "version.cfg", "compiler/version.info",
+             "runtime/version.info")
     for root in candidates:
-        for name in ("version.cfg", "compiler/version.info", "runtime/version.info"):
+        for name in names:
             info = root / name
             if info.is_file():
-                for line in info.read_text(errors="replace").splitlines():
-                    if "version" in line.lower() and "=" in line:
-                        return line.split("=", 1)[1].strip()
+                pairs = [line.split("=", 1) for line in info.read_text(errors="replace").splitlines() if "=" in line]
+                exact = [value for key, value in pairs if key.strip().lower() == "version"]
+                loose = [value for key, value in pairs if "version" in key.lower()]
+                if exact or loose:
+                    return (exact or loose)[0].strip()
     return None
 
 

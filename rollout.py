@@ -28,7 +28,7 @@ from ranks import Layout, phase
 from rewards import Scored
 from routing import RoutingShape
 from samples import SampleBatch
-from weight_sync import RolloutWeights, WeightBroadcast
+from weight_sync import RolloutWeights, WeightBroadcast, vllm_weights
 
 
 def left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,11 +160,13 @@ def wire_dtype(cfg: Config) -> str:
 
 def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
                  rollout_copy: Callable[[], torch.nn.Module],
-                 learner_weights: Optional[Callable[[], Iterable[torch.Tensor]]] = None) -> RolloutEngine:
+                 learner_weights: Optional[Callable[[], Iterable[torch.Tensor]]] = None,
+                 engine_group: Optional[Any] = None) -> RolloutEngine:
     """This rank's rollout engine. ``rollout_copy()`` builds the built-in engine's model: the
     learner's copy in one process, else read from model_path (load_rollout_model). In one
     process ``learner_weights()`` are the learner's weights (a resumed run's), which an engine
-    that reads model_path itself then takes."""
+    that reads model_path itself then takes. ``engine_group``: a tensor-parallel vLLM engine's
+    ranks, where each holds the weights its device's worker reads (ranks.Groups.engine)."""
     settings = dict(stop_ids=stop_ids(cfg, tokenizer), pad_id=tokenizer.pad_token_id,
                     max_new_tokens=cfg.rollout.max_response_length)
     # The most sequences one call has: the engine's share of a step's prompts, each sample_num
@@ -183,7 +185,8 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
         device_memory = int(cfg.run.device_memory_gb * 2**30) if cfg.run.device_memory_gb else plat.memory_bytes()
         engine = VllmEngine(cfg, plat, layout, RolloutWeights(model_config, wire_dtype(cfg)), planned=planned,
                             sequences=sequences, device_memory=device_memory,
-                            routing=RoutingShape.of(model_config) if cfg.algo.routing_replay else None, **settings)
+                            routing=RoutingShape.of(model_config) if cfg.algo.routing_replay else None,
+                            group=engine_group, **settings)
         if learner_weights is not None:
             engine.load_weights(learner_weights())
         return engine
@@ -195,6 +198,17 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
                          compile_mode=decode_compile_mode(plat.kind, cfg.rollout.rollout_compile),
                          record_routing=cfg.algo.routing_replay, max_rows=sequences,
                          max_prompt_width=bucket_bound(cfg.data.max_prompt_length, cfg.data.bucket_size), **settings)
+
+
+def engine_device_copy(cfg: Config, plat: Platform, layout: Layout, engine_group: Any) -> Any:
+    """A rank of a tensor-parallel vLLM engine other than its engine rank, whose device's worker
+    reads the weights from this rank (IPC): the weight format that holds each bucket here and
+    hands its handle to the engine rank (weight_sync.IpcWeights without an engine)."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(cfg.model.model_path, local_files_only=True)
+    return vllm_weights(RolloutWeights(model_config, wire_dtype(cfg)), None, plat, layout,
+                        cfg.run.weight_sync_bucket_mb * 2**20, engine_group)
 
 
 class RolloutWorker:
@@ -288,13 +302,15 @@ class Rollout:
     carries, generates its engine's share of every generation batch (prompts are split over
     engines), and validates its share of the val set. A rank of a tensor-parallel engine other
     than its engine rank has no engine (``engine`` None): it keeps the prompt stream's position
-    and the weight version as the others do, and its shares are empty.
+    and the weight version as the others do, and its shares are empty. Where its device's
+    worker of the engine reads the weights from this rank (IPC), it holds them there
+    (``device_copy``, :func:`engine_device_copy`).
     """
 
     def __init__(self, cfg: Config, plat: Platform, layout: Layout, engine: Optional[RolloutEngine], tokenizer,
-                 train_set, val_set) -> None:
+                 train_set, val_set, device_copy: Optional[Any] = None) -> None:
         self.cfg, self.plat, self.train_set, self.val_set = cfg, plat, train_set, val_set
-        self.engine = engine
+        self.engine, self.device_copy = engine, device_copy
         self.shard_index, self.num_shards = layout.engine_index, layout.num_engines
         # Validation prompts go no more at a time than a training generation batch's sequences,
         # whose KV cache the memory plan counts.
@@ -362,24 +378,25 @@ class Rollout:
     def load_checkpoint_weights(self, folder: Path, version: int) -> None:
         """A resumed rollout rank: weights ``version`` from a checkpoint's learner shards, read a
         bucket at a time and converted as the weight sync converts them."""
-        if self.engine is None:
-            self.weight_version = version
-            return
         bucket_bytes = self.cfg.run.weight_sync_bucket_mb * 2**20
         with phase("checkpoint load"):
-            self.engine.load_weights(ckpt.iter_full_weights(folder, self.engine.weights.names, bucket_bytes))
+            if self.engine is not None:
+                self.engine.load_weights(ckpt.iter_full_weights(folder, self.engine.weights.names, bucket_bytes))
+            elif self.device_copy is not None:  # in step with the engine rank, whose engine reads both copies
+                self.device_copy.load(ckpt.iter_full_weights(folder, self.device_copy.names, bucket_bytes))
         self.weight_version = version
 
     def receive_weights(self, broadcast: Optional[WeightBroadcast]) -> int:
         """A rollout rank: the next weight version from the lead learner, by broadcast. A rank
-        without an engine (``broadcast`` None) counts it: its engine rank takes the weights."""
+        that takes no weights (``broadcast`` None: its engine rank takes them) counts it."""
         with phase("weight sync"):
             if broadcast is None:
                 version = self.weight_version + 1
             else:
                 version = broadcast.receive()
                 start = time.perf_counter()
-                self.engine.finish_weights()
+                if self.engine is not None:
+                    self.engine.finish_weights()
                 transfer, decode = broadcast.seconds
                 self._count_weight_sync(transfer, decode + time.perf_counter() - start)
         assert version == self.weight_version + 1, f"weights arrived out of order: v{version} after v{self.weight_version}"

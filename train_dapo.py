@@ -38,10 +38,10 @@ from learner import Learner, check_model_type, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, all_reduce_sum, at_step,
                    broadcast_samples, finish_together, init_world, leave_world, phase)
-from rollout import (DynamicSampler, Generated, Rollout, build_engine, check_engine,
-                     check_rollout_inputs, load_rollout_model, wire_dtype)
+from rollout import (DynamicSampler, Generated, Rollout, build_engine, check_engine, check_rollout_inputs,
+                     engine_device_copy, load_rollout_model, wire_dtype)
 from samples import SampleBatch
-from weight_sync import RolloutWeights, WeightBroadcast
+from weight_sync import RolloutWeights, WeightBroadcast, every_engine_rank_takes_weights
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
 
@@ -91,19 +91,25 @@ class Trainer:
         if self.single or not layout.is_learner:
             rollout_copy = (lambda: self.learner.rollout_copy(cfg.model.rollout_dtype)) if self.single else \
                 (lambda: load_rollout_model(Path(cfg.model.model_path), cfg.model.rollout_dtype, plat.device))
+            engine_group = groups.engine if groups is not None else None
             engine = build_engine(cfg, plat, layout, self.tokenizer, rollout_copy,
-                                  learner_weights=self.learner.full_weights if self.single else None) \
-                if layout.drives_engine else None
-            self.rollout = Rollout(cfg, plat, layout, engine, self.tokenizer, self.train_set, self.val_set)
+                                  learner_weights=self.learner.full_weights if self.single else None,
+                                  engine_group=engine_group) if layout.drives_engine else None
+            device_copy = engine_device_copy(cfg, plat, layout, engine_group) \
+                if engine_group is not None and not layout.drives_engine else None
+            self.rollout = Rollout(cfg, plat, layout, engine, self.tokenizer, self.train_set, self.val_set, device_copy)
             held = ", ".join(f"{item} {size / 2**30:.2f} GiB" for item, size in engine.memory().items() if size) \
                 if engine is not None else ""
-            log(f"rank {layout.rank}: " + (f"rollout engine {cfg.model.rollout_engine}" if engine is not None else
-                                           layout.title) + (f" ({held})" if held else ""))
+            role = f"rollout engine {cfg.model.rollout_engine}" if engine is not None else layout.title
+            if device_copy is not None:
+                role += ", takes the weights its device's worker reads"
+            log(f"rank {layout.rank}: {role}" + (f" ({held})" if held else ""))
         if not self.single and (lead or not layout.is_learner):
-            self.weights = None  # a rank of a tensor-parallel engine without the engine takes no weights
-            if lead or layout.drives_engine:
-                form = RolloutWeights(self.learner.policy.config, wire_dtype(cfg)) if lead \
-                    else self.rollout.engine.weights
+            # A rank of a tensor-parallel engine without the engine takes weights only for its device's worker.
+            self.weights = None
+            if lead or layout.drives_engine or self.rollout.device_copy is not None:
+                form = RolloutWeights(self.learner.policy.config, wire_dtype(cfg)) if lead else \
+                    self.rollout.engine.weights if layout.drives_engine else self.rollout.device_copy
                 self.weights = WeightBroadcast(form, cfg.run.weight_sync_bucket_mb, src=layout.lead_learner,
                                                group=groups.weights, device=plat.device)
             self.samples = SampleChannel(layout, groups, plat.device, cfg.rollout.sample_num)
@@ -326,7 +332,9 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         if world_size > 1:
             plat.bind()
             groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s,
-                                plat.learner_backend(cfg.model.learner_offload))
+                                plat.learner_backend(cfg.model.learner_offload),
+                                every_engine_rank_takes_weights(cfg.model.rollout_engine, plat.kind,
+                                                                layout.tensor_parallel))
         seed_everything(cfg.run.seed + layout.rank)
         trainer = trainer_class(cfg, plat, derived, layout, groups, resume)  # checks the inputs; writes nothing
         if lead and (resumed := trainer.schedule.resumed_from) >= cfg.run.max_steps:

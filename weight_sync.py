@@ -7,9 +7,10 @@ The path of a weight version, from the lead learner to an engine:
    rollout dtype, or FP8 values plus one float32 scale per output row (fp8.py).
 2. :class:`WeightBroadcast` sends those bytes in buckets (``weight_sync_bucket_mb``, planned
    alike at both ends by :func:`bucket_plan`, in the model's parameter order: embedding, the
-   layers in order, the head) over the weights group: the lead and each engine's first rank
-   (with ``rollout_tensor_parallel`` > 1 the others hold no model). One buffer of the largest
-   bucket is reused, on the device.
+   layers in order, the head) over the weights group: the lead and the rollout ranks that take
+   weights (ranks.init_groups): each engine's first rank, and with ``rollout_tensor_parallel``
+   > 1 and IPC its other ranks too, each for its own device's worker of the engine. One buffer
+   of the largest bucket is reused, on the device.
 3. The engine rank decodes each bucket through its engine's weight format:
    - the built-in engine: :class:`RolloutWeights` bound to its model copies each piece into
      place, on the device;
@@ -18,9 +19,10 @@ The path of a weight version, from the lead learner to an engine:
      worker (vllm_worker.WeightTransfer), by the transport :func:`vllm_transport` chooses:
      :class:`IpcWeights` hands it one handle a bucket of the memory the broadcast left the
      bucket in (device.ipc_handle: the rank's GPU or NPU memory, no copy through the host; on a
-     CPU, shared memory), which the worker opens in place; where the worker cannot open it
-     (tensor-parallel engines, old NPU drivers) :class:`SharedMemoryWeights` stages each
-     bucket in a shared-memory file the worker reads: a host bounce, device -> host -> device.
+     CPU, shared memory), which the worker opens in place, each worker of a tensor-parallel
+     engine its own device's rank's; where NPU memory cannot be shared (old drivers)
+     :class:`SharedMemoryWeights` stages each bucket in a shared-memory file the workers read:
+     a host bounce, device -> host -> device.
 4. Rows of metrics.csv time it: ``sync_time_s`` (the lead sending), ``weight_transfer_s`` and
    ``weight_load_s`` (a rollout rank waiting for the buckets, and its engine taking them).
 
@@ -42,8 +44,9 @@ from typing import Any, Iterable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+import config
 from config import UserError
-from device import ROLLOUT_COMPUTE_DTYPES, ipc_handle, ipc_key, shareable_buffer
+from device import ROLLOUT_COMPUTE_DTYPES, ipc_handle, ipc_key, npu_ipc_problem, shareable_buffer
 from fp8 import fp8_parameter_names, fp8_slot, quantize
 from hf_weights import file_tensors
 from ranks import broadcast_flag, wait_for_group
@@ -196,19 +199,39 @@ class WeightBroadcast:
         return version
 
 
-def vllm_transport(platform_kind: str, tensor_parallel: int, npu_ipc_problem: Optional[str] = None) -> str:
-    """How a rollout rank hands the buckets it received to its vLLM engine: "ipc" where the
-    engine's worker can open the rank's own memory in place (device.ipc_handle: the broadcast
-    buffer on the rank's GPU or NPU, or in the CPU's shared memory; no copy through the host on a
-    device), "shared_memory" (a staging file, a host bounce on a device) where it cannot:
-    tensor-parallel engines, whose other workers sit on devices the rank's buffer is not on, and
-    NPUs whose driver or CANN cannot share memory (``npu_ipc_problem``, device.npu_ipc_problem).
+def vllm_transport(platform_kind: str) -> str:
+    """How a rollout rank hands the buckets it received to its vLLM engine: "ipc", each worker of
+    the engine opening the memory its own device's rank received them into (device.ipc_handle:
+    the rank's GPU or NPU memory, no copy through the host; on a CPU, shared memory), or
+    "shared_memory", a staging file the engine rank copies each bucket into (a host bounce on a
+    device), where an NPU's driver or CANN cannot share NPU memory (device.npu_ipc_problem).
     vllm-ascend's own ``npu_ipc`` engine is not used: (its main at 182b75e, for vLLM 0.27.1) it
     runs no layerwise reload, so the expert weights we send in checkpoint layout would land in
     experts it holds transposed, and its packed receive loads nothing (docs/platform.md)."""
-    if tensor_parallel > 1 or (platform_kind == "npu" and npu_ipc_problem is not None):
-        return "shared_memory"
-    return "ipc"
+    return "shared_memory" if platform_kind == "npu" and npu_ipc_problem() is not None else "ipc"
+
+
+def every_engine_rank_takes_weights(rollout_engine: str, platform_kind: str, tensor_parallel: int) -> bool:
+    """Whether the weight broadcast reaches every rank of a tensor-parallel engine (ranks.init_groups),
+    not its engine rank alone: with IPC each device's worker reads its own rank's copy."""
+    return rollout_engine == "vllm" and tensor_parallel > 1 and vllm_transport(platform_kind) == "ipc"
+
+
+def vllm_weights(form: Any, engine: Any, platform: Any, layout: Any, bucket_bytes: int,
+                 group: Optional[dist.ProcessGroup] = None) -> "_VllmWeights":
+    """The weight format of a rank of a vLLM engine, by the transport :func:`vllm_transport`
+    chooses: its engine rank's (``engine`` the VllmEngine), or with IPC and tensor parallel any
+    rank's of the engine's ``group`` (``engine`` None on the others), once the room for its
+    buffers is checked."""
+    capacity = staging_bytes(form, bucket_bytes)
+    engines_here = layout.engines_on_node(config.torchrun_nodes())
+    if vllm_transport(platform.kind) == "ipc":
+        if platform.kind == "cpu":  # every engine rank's broadcast buffer is then shared memory
+            check_staging_space(SHARED_MEMORY_DIR, capacity, engines_here * layout.tensor_parallel, movable=False)
+        return IpcWeights(form, engine, capacity, platform, group, position=layout.rank - layout.engine_ranks[0])
+    folder = staging_dir()
+    check_staging_space(folder, capacity, engines_here)
+    return SharedMemoryWeights(form, engine, capacity, folder)
 
 
 class _VllmWeights:
@@ -243,19 +266,24 @@ class _VllmWeights:
 
 
 class IpcWeights(_VllmWeights):
-    """The weight format (WeightFormat) of a vLLM engine whose worker opens the rank's memory in
-    place (vllm_transport "ipc"): ``decode`` notes where each parameter lies in the broadcast
-    buffer (a shareable one, device.shareable_buffer), and ``flush`` hands the engine the
-    bucket's entries with one handle of that memory, which vllm_worker.WeightTransfer opens and
-    copies from on its device. The broadcast flushes after every bucket, before the next one
-    overwrites the buffer."""
+    """The weight format (WeightFormat) of a vLLM engine whose workers open the memory their
+    device's rank received each bucket into (vllm_transport "ipc"): ``decode`` notes where each
+    parameter lies in the broadcast buffer (a shareable one, device.shareable_buffer), and
+    ``flush`` hands the engine the bucket's entries with one handle of that memory per device,
+    which vllm_worker.WeightTransfer opens and copies from on its device. With tensor parallel
+    every rank of the engine's ``group`` receives each bucket; their handles are gathered to the
+    engine rank, and no rank's buffer is overwritten (the next bucket) before the engine has
+    taken the bucket. The broadcast flushes after every bucket."""
 
+    transport = "ipc"
     init_info: dict[str, Any] = {}  # no staging file
     shares_buffer = True
 
-    def __init__(self, form: Any, engine: Any, capacity: int, platform: Any) -> None:
+    def __init__(self, form: Any, engine: Any, capacity: int, platform: Any,
+                 group: Optional[dist.ProcessGroup] = None, position: int = 0) -> None:
         super().__init__(form, engine, capacity)
         self.platform = platform  # device.Platform: the rank's device, where the shared memory lies
+        self.group, self.position = group, position  # the engine's ranks; this rank's place among them
         self.storage: Optional[torch.Tensor] = None  # the memory the staged entries lie in
 
     def decode(self, index: int, data: torch.Tensor) -> None:
@@ -269,9 +297,23 @@ class IpcWeights(_VllmWeights):
         if self.staged:
             if torch.accelerator.is_available():  # the broadcast's writes are done before another process reads them
                 torch.accelerator.synchronize()
-            self.engine.update_weights({"entries": self.staged,
-                                        "handles": {ipc_key(self.platform.device): ipc_handle(self.storage)}})
+            handles = {ipc_key(self.platform.device, self.position): ipc_handle(self.storage)}
+            if self.group is not None:
+                handles = self._gather(handles)
+            if self.engine is not None:
+                self.engine.update_weights({"entries": self.staged, "handles": handles})
+            if self.group is not None:  # the engine has copied from every rank's buffer
+                dist.barrier(group=self.group)
         self.staged, self.storage = [], None
+
+    def _gather(self, handles: dict[str, tuple]) -> dict[str, tuple]:
+        """Every rank's handle of the bucket, by device. The entries name places in each rank's
+        buffer, so they must be the same on every rank: the same plan, buffers alike."""
+        mine = (handles, [entry[1] for entry in self.staged])
+        every: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        assert all(offsets == mine[1] for _, offsets in every), "the engine's ranks staged a bucket alike"
+        return {key: handle for shared, _ in every for key, handle in shared.items()}
 
     def load(self, tensors: Iterable[torch.Tensor]) -> None:
         """Whole tensors (one process, a resume), copied a bucket at a time into a shareable
@@ -292,6 +334,8 @@ class SharedMemoryWeights(_VllmWeights):
     """The weight format (WeightFormat) of a vLLM engine that reads a staging file (vllm_transport
     "shared_memory"): ``decode`` copies each parameter into a shared-memory file of one bucket
     that the engine's workers map; a full file goes into the engine in one call."""
+
+    transport = "shared_memory"
 
     def __init__(self, form: Any, engine: Any, capacity: int, folder: str) -> None:
         super().__init__(form, engine, capacity)

@@ -147,18 +147,16 @@ def test_weights_synced_into_the_engine_give_the_learners_log_probs(engine, prom
     holds earlier layers' tensors."""
     import weight_sync
 
-    import engine_vllm
-
     model_dir, tolerance, noise = assets / "model", TOLERANCE, 0.05
     if mode != "eager, ipc":
         model_dir, tolerance, noise = untied_model, BF16_TOLERANCE, 0.2  # more noise: changes well above bf16's
-        monkeypatch.setattr(engine_vllm, "vllm_transport", lambda *how: "shared_memory")
+        monkeypatch.setattr(weight_sync, "vllm_transport", lambda platform_kind: "shared_memory")
         cfg = load_config(run_argv(assets, tmp_path, 1, "--model_path", str(model_dir), "--rollout_dtype", "bf16",
                                    "--rollout_enforce_eager", "false"))
         engine = build_engine(cfg, select_platform("cpu"), Layout(world_size=1, rank=0, num_learners=1),
                               AutoTokenizer.from_pretrained(model_dir), rollout_copy=None)
         assert "lm_head.weight" in engine.weights.names
-    assert engine.transport == ("ipc" if mode == "eager, ipc" else "shared_memory")
+    assert engine.weights.transport == ("ipc" if mode == "eager, ipc" else "shared_memory")
     updates = []
     monkeypatch.setattr(engine.weights, "capacity", weight_sync.staging_bytes(engine.weights, 64 * 2**10))
     monkeypatch.setattr(engine, "update_weights", lambda info, send=engine.update_weights: updates.append(info)
@@ -336,14 +334,16 @@ def tensor_parallel_job(assets: Path, out: Path, steps: int, *extra: str) -> str
 def test_two_tensor_parallel_engines_take_synced_weights_resume_exactly_and_sample_as_one_process(
         one_process_runs, assets, tmp_path):
     """Two steps with a checkpoint each, then a second job resumed from checkpoint 1. Weights
-    reach both devices of each engine (the engines' log-probs are the learner's after every sync,
-    and after the resumed job's checkpoint load); step 2 from the checkpoint is step 2 again, bit
+    reach both devices of each engine, each worker opening its own rank's copy (IPC; the engines'
+    log-probs are the learner's after every sync, and after the resumed job's checkpoint load,
+    which both ranks of an engine make in step); step 2 from the checkpoint is step 2 again, bit
     for bit; and the samples are the one-process run's (per-sample seeds): its validation of the
     base model and everything its first step generated."""
     out = tmp_path / "tp2"
     printed = tensor_parallel_job(assets, out, 2)
-    assert "rank 1: rollout: engine 0's device 2 of 2, no model" in printed  # in the job, holding nothing
-    assert "rank 3: rollout: engine 1's device 2 of 2, no model" in printed
+    # In the job, holding no model, but the weights its device's worker of the engine reads (IPC).
+    assert "rank 1: rollout: engine 0's device 2 of 2, no model, takes the weights its device's worker reads" in printed
+    assert "rank 3: rollout: engine 1's device 2 of 2, no model, takes the weights its device's worker reads" in printed
     rows, weights = rows_of(out), weights_of(out, 2)
     assert [r["step"] for r in rows] == ["0", "1", "2"]
     assert all(float(r["engine_mismatch_mean"]) < TOLERANCE for r in rows[1:])

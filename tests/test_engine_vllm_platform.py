@@ -22,6 +22,7 @@ import engine_vllm
 from config import Config, UserError
 from device import VISIBLE_DEVICES_VARIABLE, Platform
 from engine_vllm import VllmEngine, check_available, engine_memory
+import weight_sync
 from ranks import Layout
 from weight_sync import TRANSFER_BACKEND
 
@@ -179,24 +180,29 @@ def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int =
 @pytest.mark.parametrize("kind,backend,tensor_parallel,npu_problem,transport", [
     ("cpu", "gloo", 1, None, "ipc"), ("cuda", "nccl", 1, None, "ipc"), ("npu", "hccl", 1, None, "ipc"),
     ("npu", "hccl", 1, "the Ascend driver is 24.1.0, below 25.3.RC1", "shared_memory"),
-    ("cuda", "nccl", 2, None, "shared_memory"), ("cpu", "gloo", 2, None, "shared_memory")])
+    ("cuda", "nccl", 2, None, "ipc"), ("cpu", "gloo", 2, None, "ipc"),
+    ("npu", "hccl", 2, "the Ascend cann version was not found", "shared_memory")])
 def test_new_weights_go_through_vllms_weight_transfer_protocol_into_our_transfer_engine(
         recorder, monkeypatch, kind, backend, tensor_parallel, npu_problem, transport):
     """vLLM is told to make our transfer engine in each worker, whose module vLLM imports there as
-    the worker extension: with no staging file where the worker opens the rank's own memory (an
-    engine on the rank's own device: CUDA, the CPU, NPU with a driver and CANN that share NPU
-    memory), with the staging file it reads each bucket from elsewhere."""
+    the worker extension: with no staging file where each worker opens its device's rank's own
+    memory (CUDA, the CPU, NPU with a driver and CANN that share NPU memory; at any tensor
+    parallel, every rank of the engine then taking the weights), with the staging file it reads
+    each bucket from elsewhere."""
     asked = []
-    monkeypatch.setattr(engine_vllm, "npu_ipc_problem", lambda: asked.append(True) or npu_problem)
+    monkeypatch.setattr(weight_sync, "npu_ipc_problem", lambda: asked.append(True) or npu_problem)
     plat = PretendDevice(kind, backend, local_rank=2) if kind != "cpu" else Platform("cpu", "gloo", 0)
     engine = build(plat, rank=2, tensor_parallel=tensor_parallel)
     call = recorder[-1]
     assert bool(asked) == (kind == "npu")  # the NPU's driver and CANN are read on NPU alone
-    assert engine.transport == transport
+    assert engine.weights.transport == transport
+    assert weight_sync.every_engine_rank_takes_weights("vllm", kind, tensor_parallel) == \
+        (transport == "ipc" and tensor_parallel > 1)
     assert call["settings"]["weight_transfer_config"] == {"backend": TRANSFER_BACKEND}
     if transport == "ipc":
         assert call["weight_transfer_init"] == {} and not hasattr(engine.weights, "path")
         assert engine.weights.shares_buffer  # the broadcast receives into memory the worker opens
+        assert engine.weights.position == 0  # the engine rank: its device's worker is the engine's first
     else:
         assert call["weight_transfer_init"] == {"path": engine.weights.path, "capacity": engine.weights.capacity}
         assert Path(engine.weights.path).is_file()
@@ -328,7 +334,7 @@ def test_a_staging_folder_too_small_for_the_hosts_engines_is_refused_before_the_
     build(PretendDevice("npu", "hccl", local_rank=3), bucket_mb=8)  # 4 x 8 MiB fit
     assert len(recorder) == 1
     # A CPU's engines open the ranks' broadcast buffers, which torch keeps in /dev/shm: no other folder helps.
-    monkeypatch.setattr(engine_vllm, "SHARED_MEMORY_DIR", str(tmp_path))
+    monkeypatch.setattr(weight_sync, "SHARED_MEMORY_DIR", str(tmp_path))
     with pytest.raises(UserError) as refused:
         build(Platform("cpu", "gloo", 0), rank=3, bucket_mb=805)
     assert "--shm-size" in str(refused.value) and STAGING_DIR_VARIABLE not in str(refused.value)
@@ -392,7 +398,6 @@ def test_each_bucket_reaches_the_engine_in_the_ranks_own_memory_or_through_the_s
     another reader, it holds the bucket's bytes, and no byte was copied through the host.
     Shared memory: the model's bytes go through the staging file, each bucket read there by our
     transfer engine."""
-    import weight_sync
     from device import open_ipc_handle
     from tests.test_decode import moe_model
     from weight_sync import IpcWeights, RolloutWeights, SharedMemoryWeights, WeightBroadcast
@@ -474,7 +479,6 @@ def test_our_transfer_engine_loads_each_bucket_in_one_call_in_checkpoint_names(m
     from types import SimpleNamespace
 
     import vllm.distributed
-    import weight_sync
     from tests.test_decode import moe_model
     from vllm_worker import WeightTransfer
     from weight_sync import IpcWeights, RolloutWeights, SharedMemoryWeights

@@ -66,6 +66,34 @@ def test_tensor_parallel_groups_consecutive_rollout_ranks_under_their_first():
     assert Layout(8, 4, 2).engines_on_node(1) == 6 and Layout(1, 0, 1).drives_engine
 
 
+@pytest.mark.parametrize("every_rank", [False, True])
+def test_weights_reach_every_rank_of_a_tensor_parallel_engine_only_where_its_workers_read_their_own(
+        monkeypatch, every_rank):
+    """6 rollout ranks at tensor parallel 2 and a learner: the weights group is the engine ranks
+    and the lead, or (IPC: each worker reads its own device's rank) the sync group with every
+    rollout rank, and then each engine's ranks share a gloo group of their own for the handles."""
+    import ranks
+
+    made = []
+
+    def new_group(members, backend, timeout):
+        made.append((tuple(members), backend))
+        return len(made) - 1  # a group's token: the order it was made in, the same on every rank
+    monkeypatch.setattr(ranks.dist, "new_group", new_group)
+    every = {rank: (made.clear(), ranks.init_groups(Layout(world_size=7, rank=rank, num_learners=1, tensor_parallel=2),
+                                                    "gloo", 60, every_engine_rank_takes_weights=every_rank))[1]
+             for rank in range(7)}
+    sync = made.index(((0, 1, 2, 3, 4, 5, 6), "gloo"))
+    if every_rank:
+        assert [every[rank].weights for rank in range(7)] == [sync] * 7
+        assert [made[every[rank].engine][0] for rank in range(6)] == [(0, 1), (0, 1), (2, 3), (2, 3), (4, 5), (4, 5)]
+        assert {made[every[rank].engine][1] for rank in range(6)} == {"gloo"} and every[6].engine is None
+    else:
+        weights = made.index(((0, 2, 4, 6), "gloo"))
+        assert [every[rank].weights for rank in range(7)] == [weights, None, weights, None, weights, None, weights]
+        assert all(every[rank].engine is None for rank in range(7))
+
+
 def test_prompts_split_over_engines_and_a_rank_without_an_engine_keeps_count_with_nothing_to_do():
     """Rollout on each of 4 rollout ranks at tensor parallel 2: the engine ranks take every other
     prompt each (engine 0 the even ones); the others generate and validate nothing, yet move

@@ -132,8 +132,9 @@ def rollout_rank(cfg: Config, derived: Derived, arch: Architecture,
     With rollout_tensor_parallel N, the device of an engine rank (the busiest of its engine's
     N): the engine's share of a batch is N ranks' shares, and vLLM splits over the N devices the
     weights, the KV cache's heads (a device keeps one head at least) and the layers' projections
-    and experts, while the hidden states and the logits stay whole on every device; the
-    weight-sync bucket and the reward model are the engine rank's. vLLM runs eagerly here
+    and experts, while the hidden states and the logits stay whole on every device; the reward
+    model is the engine rank's, and a weight-sync bucket is on every device of the engine where
+    each worker reads its own rank's copy (IPC, weight_sync.every_engine_rank_takes_weights). vLLM runs eagerly here
     (enforce_eager): no CUDA graphs to count."""
     model, rollout = cfg.model, cfg.rollout
     compute, split = _dtype_bytes(model.rollout_dtype), derived.rollout_tensor_parallel

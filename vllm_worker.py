@@ -70,7 +70,7 @@ class WeightTransfer(WeightTransferEngine[StagingFile, Bucket]):
         self.model.load_weights(self._bucket_tensors(self._source(update_info), update_info.entries))
 
     def _source(self, update_info: Bucket) -> torch.Tensor:
-        """The bucket's bytes: the memory of the engine rank on this worker's device, or the file."""
+        """The bucket's bytes: the memory of the engine's rank on this worker's device, or the file."""
         if update_info.handles is None:
             return self.staging
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -80,8 +80,12 @@ class WeightTransfer(WeightTransferEngine[StagingFile, Bucket]):
             raise ValueError(f"weight transfer: no bucket shared for this worker's device {key}; "
                              f"shared for {sorted(update_info.handles)}")
         handle = update_info.handles[key]
-        known = repr(handle)  # the handle as it arrives is lists (msgpack), not hashable
-        if known not in self.opened:  # the broadcast buffer: one handle for every bucket of a version
+        # A CPU's handle names the same shared memory every bucket: mapped once a version, its
+        # pages are not faulted in again. (A device handle differs a bucket, its reference
+        # counter's; torch's own cache opens the device memory once.) As it arrives (msgpack) a
+        # handle is lists, not hashable.
+        known = repr(handle)
+        if known not in self.opened:
             self.opened[known] = open_ipc_handle(handle, self.device)
         return self.opened[known]
 

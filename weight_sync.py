@@ -317,11 +317,12 @@ class IpcWeights(_VllmWeights):
 
     def load(self, tensors: Iterable[torch.Tensor]) -> None:
         """Whole tensors (one process, a resume), copied a bucket at a time into a shareable
-        buffer of the rank's own, held while the load runs."""
-        buffer, offset = shareable_buffer(self.capacity, self.platform.device), 0
+        buffer of the rank's own (no larger than the model), held while the load runs."""
+        size = min(self.capacity, sum(self.nbytes(i) for i in range(len(self.names))))
+        buffer, offset = shareable_buffer(size, self.platform.device), 0
         for index, tensor in enumerate(tensors):
             data = self.encode(index, tensor)
-            if offset + data.numel() > self.capacity:
+            if offset + data.numel() > size:
                 self.flush()
                 offset = 0
             buffer[offset:offset + data.numel()].copy_(data)

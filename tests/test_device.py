@@ -171,3 +171,17 @@ def test_a_shareable_cpu_buffer_is_opened_in_place_by_another_process():
     assert buffer[63].item() == 200
     with pytest.raises(ValueError, match="shareable_buffer"):
         device.ipc_handle(torch.zeros(8, dtype=torch.uint8))
+
+
+def test_the_device_ipc_calls_this_cpu_cannot_make_exist_with_the_arguments_we_pass():
+    """open_ipc_handle rebuilds a CUDA (or NPU) tensor from reduce_tensor's arguments with the
+    receiver's own device index as argument 6: a torch that renamed or reordered them fails here,
+    not in a user's first weight sync. (torch_npu's rebuild_npu_tensor takes the same 15, read in
+    its source; docs/platform.md.)"""
+    import inspect
+
+    from torch.multiprocessing import reductions
+
+    parameters = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    assert len(parameters) == 15 and parameters[6] == "storage_device"
+    assert callable(reductions.reduce_tensor) and hasattr(torch.cuda, "get_device_properties")

@@ -8,6 +8,8 @@
 #   device  the versions (python, torch, transformers, trl) and the device chosen
 #   smoke   a matmul on the device and a 1-process all_reduce on its backend (smoke.py, which
 #           always takes the device that auto picks)
+#   ipc     the device's memory opened in place by another process, as a vLLM engine's worker
+#           opens a rollout rank's weight buckets, and the copy's GB/s (bench/ipc_check.py)
 #   demo    the demo trains STEPS steps on the device, checkpoints, and resumes exactly
 #           (bench/demo_on_device.py)
 #   probe   3 DAPO steps on Qwen3-30B-A3B's geometry with PROBE_LAYERS of its layers: the step
@@ -115,6 +117,7 @@ probe_options=(--layers "$PROBE_LAYERS")
 echo "accelerator_check: DEVICE=$DEVICE STEPS=$STEPS PROBE_LAYERS=$PROBE_LAYERS PROBE_SMALL=$PROBE_SMALL; runs and logs in $OUT"
 run_check device "$PYTHON" -c "$DEVICE_REPORT" "$DEVICE"
 smoke_check
+run_check ipc "$PYTHON" bench/ipc_check.py --device "$DEVICE"
 run_check demo "$PYTHON" bench/demo_on_device.py --out "$OUT/demo" --device "$DEVICE" --steps "$STEPS"
 run_check probe "$PYTHON" bench/probe_step.py --out "$OUT" --device "$DEVICE" --peak-tflops "$PEAK_TFLOPS" \
   "${probe_options[@]}"

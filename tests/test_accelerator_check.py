@@ -1,6 +1,8 @@
 """The parts of bench/accelerator_check.sh that hold on any machine: the probe's parameter and
 FLOP counts, a probe tokenizer that decodes every id the model can sample and stops on none of
-them, and the demo comparison that ignores timings and names the first difference."""
+them, the demo comparison that ignores timings and names the first difference, and the IPC
+check on this CPU's shared memory."""
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,3 +53,11 @@ def test_the_demo_comparison_ignores_timings_and_names_the_first_difference():
     assert first_difference(rows, changed, through=1) == "step 1 policy_loss: 0.5 vs 0.6"
     assert first_difference(rows, changed, through=0) is None
     assert first_difference(rows, rows[:1], through=1) == "2 metrics rows through step 1 vs 1"
+
+
+def test_the_ipc_check_opens_this_cpus_shared_memory_in_another_process():
+    """bench/ipc_check.py, the accelerator check's "ipc" line, as it runs on a CPU: the child maps
+    the rank's buffer by its handle, reads the rank's bytes in it, and its write comes back."""
+    proc = subprocess.run([sys.executable, "bench/ipc_check.py", "--device", "cpu", "--mb", "8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("PASS ipc: cpu memory opened in place"), proc.stdout

@@ -41,7 +41,7 @@ from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, all_reduce_s
 from rollout import (DynamicSampler, Generated, Rollout, build_engine, check_engine, check_rollout_inputs,
                      engine_device_copy, load_rollout_model, wire_dtype)
 from samples import SampleBatch
-from weight_sync import RolloutWeights, WeightBroadcast, every_engine_rank_takes_weights
+from weight_sync import RolloutWeights, WeightBroadcast, every_engine_rank_takes_weights, host_bounce_reason
 
 Collected = tuple[SampleBatch, dict[str, Any]]  # a step's batch and its metrics row so far
 
@@ -315,7 +315,10 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         check_reward_on_data(cfg)
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
-        for message in warnings_for(cfg) if lead else []:
+        notes = warnings_for(cfg)
+        if cfg.model.rollout_engine == "vllm" and (slow_sync := host_bounce_reason(plat.kind)):
+            notes.append(slow_sync)
+        for message in notes if lead else []:
             warn(message)  # "no val_dataset" among them
         out = Path(cfg.run.output_dir)
         restarted = resuming.restarted_by_torchrun()

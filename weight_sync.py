@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 import config
 from config import UserError
-from device import ROLLOUT_COMPUTE_DTYPES, ipc_handle, ipc_key, npu_ipc_problem, shareable_buffer
+from device import (NPU_IPC_MINIMUM, ROLLOUT_COMPUTE_DTYPES, ipc_handle, ipc_key, npu_ipc_problem,
+                    shareable_buffer)
 from fp8 import fp8_parameter_names, fp8_slot, quantize
 from hf_weights import file_tensors
 from ranks import broadcast_flag, wait_for_group
@@ -208,7 +209,17 @@ def vllm_transport(platform_kind: str) -> str:
     vllm-ascend's own ``npu_ipc`` engine is not used: (its main at 182b75e, for vLLM 0.27.1) it
     runs no layerwise reload, so the expert weights we send in checkpoint layout would land in
     experts it holds transposed, and its packed receive loads nothing (docs/platform.md)."""
-    return "shared_memory" if platform_kind == "npu" and npu_ipc_problem() is not None else "ipc"
+    return "ipc" if host_bounce_reason(platform_kind) is None else "shared_memory"
+
+
+def host_bounce_reason(platform_kind: str) -> Optional[str]:
+    """Why a vLLM engine on this platform takes its weights through host memory, a slower sync
+    (a warning at start-up), or None."""
+    problem = npu_ipc_problem() if platform_kind == "npu" else None
+    if problem is None:
+        return None
+    return (f"vLLM weight sync goes through host shared memory, not NPU IPC: {problem} (NPU IPC needs the driver "
+            f">= {NPU_IPC_MINIMUM['driver']} and CANN >= {NPU_IPC_MINIMUM['cann']})")
 
 
 def every_engine_rank_takes_weights(rollout_engine: str, platform_kind: str, tensor_parallel: int) -> bool:

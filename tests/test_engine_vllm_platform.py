@@ -510,3 +510,12 @@ def test_our_transfer_engine_loads_each_bucket_in_one_call_in_checkpoint_names(m
         tensor_parallel_rank[0] = 1  # a worker of another device: its rank shared nothing
         with pytest.raises(ValueError, match="no bucket shared for this worker's device host-1"):
             worker.update_weights(engine.updates[0])
+
+
+def test_an_npu_below_the_ipc_gate_says_why_its_weight_sync_goes_through_the_host(monkeypatch):
+    monkeypatch.setattr(weight_sync, "npu_ipc_problem", lambda: "the Ascend driver is 24.1.0, below 25.3.RC1")
+    reason = weight_sync.host_bounce_reason("npu")
+    assert "host shared memory" in reason and "24.1.0" in reason and "25.3.RC1" in reason and "8.3.RC1" in reason
+    assert weight_sync.host_bounce_reason("cuda") is None and weight_sync.host_bounce_reason("cpu") is None
+    monkeypatch.setattr(weight_sync, "npu_ipc_problem", lambda: None)
+    assert weight_sync.host_bounce_reason("npu") is None

@@ -296,6 +296,7 @@ class IpcWeights(_VllmWeights):
         self.platform = platform  # device.Platform: the rank's device, where the shared memory lies
         self.group, self.position = group, position  # the engine's ranks; this rank's place among them
         self.storage: Optional[torch.Tensor] = None  # the memory the staged entries lie in
+        self.load_buffer: Optional[torch.Tensor] = None  # where loads stage their buckets (load)
 
     def decode(self, index: int, data: torch.Tensor) -> None:
         if self.storage is None:
@@ -303,6 +304,8 @@ class IpcWeights(_VllmWeights):
         assert data.untyped_storage().data_ptr() == self.storage.untyped_storage().data_ptr(), \
             "a bucket's parameters lie in one shared buffer"
         self._stage(index, data.storage_offset() * data.element_size(), data.numel() * data.element_size())
+        if self.load_buffer is not None and data.untyped_storage().data_ptr() != self.load_buffer.data_ptr():
+            self.load_buffer = None  # a resumed rank's: the broadcast's buffer serves from now on
 
     def flush(self) -> None:
         if self.staged:
@@ -328,9 +331,12 @@ class IpcWeights(_VllmWeights):
 
     def load(self, tensors: Iterable[torch.Tensor]) -> None:
         """Whole tensors (one process, a resume), copied a bucket at a time into a shareable
-        buffer of the rank's own (no larger than the model), held while the load runs."""
+        buffer of the rank's own (no larger than the model), kept for the next load: a
+        one-process run loads every step, and the worker maps the same memory again."""
         size = min(self.capacity, sum(self.nbytes(i) for i in range(len(self.names))))
-        buffer, offset = shareable_buffer(size, self.platform.device), 0
+        if self.load_buffer is None:
+            self.load_buffer = shareable_buffer(size, self.platform.device)
+        buffer, offset = self.load_buffer, 0
         for index, tensor in enumerate(tensors):
             data = self.encode(index, tensor)
             if offset + data.numel() > size:

@@ -9,7 +9,8 @@ is that long) both engines generate in turns, ``--rounds`` times; printed are th
 of each and the median of the paired ratios builtin / vLLM (above 1: vLLM is faster). Then the
 median time of loading every weight into each engine (engine.load_weights, the path of weight
 sync after the broadcast: the load of metrics.csv's weight_load_s; vLLM's goes through its
-weight-transfer protocol) over the median time of its demo generation batch (48 sequences, up
+weight-transfer protocol, by IPC and from a staging file) over the median time of its demo
+generation batch (48 sequences, up
 to 8 tokens, stopping at EOS), in alternating rounds.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine import Sampling, Seeds  # noqa: E402
 from hf_weights import WeightFiles  # noqa: E402
 from ranks import Layout  # noqa: E402
 from rollout import build_engine, left_pad, load_rollout_model  # noqa: E402
+from weight_sync import SharedMemoryWeights, staging_dir  # noqa: E402
 
 
 def timed(call) -> float:
@@ -91,12 +93,22 @@ def main() -> None:
         batch = generation_pair(builtin, vllm, ids, mask, 8, [tokenizer.eos_token_id], args.rounds)
         files = WeightFiles(assets / "model")
         weights = lambda: [files.rows(n, s, 0, s[0]) for n, s in zip(vllm.weights.names, vllm.weights.shapes)]  # noqa: E731
-        loads = [(timed(lambda w=weights(): builtin.load_weights(w)), timed(lambda w=weights(): vllm.load_weights(w)))
-                 for _ in range(args.rounds)]
-        for name, column in (("builtin", 0), ("vllm", 1)):
-            load = statistics.median(pair[column] for pair in loads)
-            print(f"weight load into {name}: {load:.3f} s = {load / batch[name]:.2f} of its demo generation batch "
-                  f"(48 sequences, up to 8 tokens: {batch[name]:.3f} s)")
+        # vLLM's worker takes a bucket by IPC (the engine's own transport) or from a staging file
+        # (an NPU below the IPC gate): both into the same engine, in alternating rounds.
+        ipc = vllm.weights
+        staged = SharedMemoryWeights(ipc.form, vllm, ipc.capacity, staging_dir())
+        vllm.llm.init_weight_transfer_engine({"init_info": staged.init_info})
+
+        def vllm_load(transport, tensors):
+            vllm.weights = transport
+            vllm.load_weights(tensors)
+        loads = [(timed(lambda w=weights(): builtin.load_weights(w)), timed(lambda w=weights(): vllm_load(ipc, w)),
+                  timed(lambda w=weights(): vllm_load(staged, w))) for _ in range(args.rounds)]
+        for name, column, engine in (("builtin", 0, "builtin"), ("vllm by IPC", 1, "vllm"),
+                                     ("vllm from a staging file", 2, "vllm")):
+            load = statistics.median(row[column] for row in loads)
+            print(f"weight load into {name}: {load:.3f} s = {load / batch[engine]:.2f} of its demo generation batch "
+                  f"(48 sequences, up to 8 tokens: {batch[engine]:.3f} s)")
         vllm.close()
 
 

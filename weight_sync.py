@@ -334,7 +334,7 @@ class IpcWeights(_VllmWeights):
         buffer of the rank's own (no larger than the model), kept for the next load: a
         one-process run loads every step, and the worker maps the same memory again."""
         size = min(self.capacity, sum(self.nbytes(i) for i in range(len(self.names))))
-        if self.load_buffer is None:
+        if self.load_buffer is None or self.load_buffer.numel() < size:
             self.load_buffer = shareable_buffer(size, self.platform.device)
         buffer, offset = self.load_buffer, 0
         for index, tensor in enumerate(tensors):

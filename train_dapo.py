@@ -295,6 +295,15 @@ def check_inputs(cfg: Config, *, reads_data: bool) -> None:
     check_report_to(cfg.run.report_to)
 
 
+def start_up_warnings(cfg: Config, platform_kind: str) -> list[str]:
+    """Legal but suspicious settings (config.warnings_for), and a weight sync slower than it
+    should be on this platform."""
+    notes = warnings_for(cfg)
+    if cfg.model.rollout_engine == "vllm" and (slow_sync := host_bounce_reason(platform_kind)):
+        notes.append(slow_sync)
+    return notes
+
+
 @config.answers_usage  # -h/--help: every key with its default, exit 0; no arguments: the usage, exit 2
 def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     """The run; ``trainer_class`` is a user's subclass of :class:`Trainer` (README.md)."""
@@ -315,10 +324,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         check_reward_on_data(cfg)
         from transformers.utils import logging as hf_logging  # here: a bad command line fails fast
         hf_logging.disable_progress_bar()  # weight-loading bars would bury the training log
-        notes = warnings_for(cfg)
-        if cfg.model.rollout_engine == "vllm" and (slow_sync := host_bounce_reason(plat.kind)):
-            notes.append(slow_sync)
-        for message in notes if lead else []:
+        for message in start_up_warnings(cfg, plat.kind) if lead else []:
             warn(message)  # "no val_dataset" among them
         out = Path(cfg.run.output_dir)
         restarted = resuming.restarted_by_torchrun()

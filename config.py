@@ -123,6 +123,14 @@ class OptimConfig:
     per_device_batch_size: int = 4
     gradient_accumulation_steps: int = 8
     ppo_epochs: int = 1
+    # Sequences per forward of the no-grad log-probs (old log-probs, the KL reference), as verl's
+    # log_prob_micro_batch_size: without a graph to keep they can take more rows than training.
+    log_prob_batch_size: Optional[int] = None  # None = per_device_batch_size
+
+    @property
+    def log_prob_rows(self) -> int:
+        """Sequences per no-grad log-prob forward on a learner rank."""
+        return self.log_prob_batch_size or self.per_device_batch_size
 
 
 @dataclass(frozen=True)
@@ -411,6 +419,8 @@ def validate(cfg: Config) -> None:
         (cfg.optim.per_device_batch_size >= 1, "per_device_batch_size must be >= 1"),
         (cfg.optim.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
         (cfg.optim.ppo_epochs >= 1, "ppo_epochs must be >= 1"),
+        (cfg.optim.log_prob_batch_size is None or cfg.optim.log_prob_batch_size >= 1,
+         "log_prob_batch_size must be >= 1 (null = per_device_batch_size)"),
         (cfg.run.max_steps >= 1, "max_steps must be >= 1"),
         (cfg.run.learner_ranks >= 1, "learner_ranks must be >= 1"),
         (cfg.run.max_staleness in (0, 1), "max_staleness must be 0 or 1"),
@@ -734,6 +744,8 @@ KEY_HELP: dict[str, str] = {
     "per_device_batch_size": "sequences per micro-batch on a learner rank",
     "gradient_accumulation_steps": "micro-batches per optimizer step",
     "ppo_epochs": "passes over a step's samples",
+    "log_prob_batch_size": "sequences per no-grad forward of the old and reference log-probs on a learner rank "
+                           "(null = per_device_batch_size)",
     # run
     "config": "YAML file of settings (keys at the top level or under their section)",
     "device": "auto picks npu, then cuda, then cpu; a device named but absent is refused",

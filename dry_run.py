@@ -312,7 +312,8 @@ def describe(cfg: Config, model: torch.nn.Module, learners: int, device: str) ->
               f"after a warm-up step that creates AdamW's state: one micro-batch of {cfg.optim.per_device_batch_size} "
               f"x {cfg.data.max_prompt_length + cfg.rollout.max_response_length} tokens forward and backward{held} "
               f"(response log-probs as the learner takes them), grad clipping, one AdamW step")
-    not_traced = ("the KL reference's forward (no grad, below a training micro-batch; its shards are counted), "
+    not_traced = ("the no-grad forwards of the old and KL reference log-probs (planned for log_prob_batch_size "
+                  "sequences; the reference's shards are counted), "
                   "attention's own kernel (a fused one stands in), generation and the KV cache (rollout weights only), "
                   "weight sync and checkpoint staging (host memory)")
     return {"traced": traced, "not_traced": not_traced}

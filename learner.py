@@ -299,21 +299,21 @@ class Learner:
                 entropy = dapo_loss.entropy_from_logits(logits, temperature)
         return logp, entropy
 
-    def micro_batches(self, batch: SampleBatch, rows: torch.Tensor) -> list[tuple[torch.Tensor, SampleBatch]]:
-        """Cut ``rows`` into per_device_batch_size pieces, each trimmed to its own widths."""
-        return [(chunk, batch.select_rows(chunk).trimmed())
-                for chunk in rows.split(self.cfg.optim.per_device_batch_size)]
+    @staticmethod
+    def micro_batches(batch: SampleBatch, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, SampleBatch]]:
+        """Cut ``rows`` into pieces of ``size`` rows, each trimmed to its own widths."""
+        return [(chunk, batch.select_rows(chunk).trimmed()) for chunk in rows.split(size)]
 
     @torch.no_grad()
     def logprobs_of(self, model: torch.nn.Module, batch: SampleBatch, rows: torch.Tensor,
                     routing_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[N, R] log-probs on the host, filled in for ``rows`` only, computed micro-batch by
-        micro-batch into one device buffer that is read once. With routing replay and
+        """[N, R] log-probs on the host, filled in for ``rows`` only, computed in forwards of
+        log_prob_batch_size rows into one device buffer that is read once. With routing replay and
         ``routing_counts`` (a [2] device tensor), the forwards add to it how many routing
         decisions for the response tokens were, by the learner's own router, other experts
         than the recorded ones, and how many there were (routing.response_disagreement)."""
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.plat.device)
-        for chunk, part in self.micro_batches(batch, rows):
+        for chunk, part in self.micro_batches(batch, rows, self.cfg.optim.log_prob_rows):
             with self.routed(model, part, measure=routing_counts is not None) as replay:
                 logp, _ = self.sequence_logprobs(model, part, with_entropy=False)
             if replay is not None and routing_counts is not None:
@@ -388,7 +388,7 @@ class Learner:
         # token was rejected adds a loss of 0.
         tokens = max(int(per_row.loss_mask[minibatch].sum()), 1)
         normalizer = tokens if algo.loss_agg_mode == "token-mean" else len(minibatch)
-        for chunk, part in self.micro_batches(batch, rows):
+        for chunk, part in self.micro_batches(batch, rows, self.cfg.optim.per_device_batch_size):
             width = part.response_ids.shape[1]
             host_mask = per_row.loss_mask[chunk, :width]
             part_mask = host_mask.to(self.plat.device)

@@ -199,13 +199,23 @@ def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_refe
     params = 4 * shard + reference
     grads, optimizer = 4 * shard, 8 * shard  # fp32 gradients, AdamW's two fp32 moments
     compute = 2 if cfg.model.learner_dtype == "bf16" else 4
-    tokens = cfg.optim.per_device_batch_size * (cfg.data.max_prompt_length + cfg.rollout.max_response_length)
+    sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    tokens = cfg.optim.per_device_batch_size * sequence
     saved_layers = 1 if cfg.model.gradient_checkpointing else arch.layers
     layer_inputs = tokens * arch.hidden * compute * arch.layers if cfg.model.gradient_checkpointing else 0
     response_tokens = cfg.optim.per_device_batch_size * cfg.rollout.max_response_length
-    activations = (tokens * arch.saved_per_token_layer(compute) * saved_layers + layer_inputs
-                   + 2 * response_tokens * arch.vocab * compute  # the logits and their gradient
-                   + 2 * 4 * arch.largest_layer_params)  # FSDP2's gathered layer and the next, prefetched
+    gathered_layers = 2 * 4 * arch.largest_layer_params  # FSDP2's gathered layer and the next, prefetched
+    training = (tokens * arch.saved_per_token_layer(compute) * saved_layers + layer_inputs
+                + 2 * response_tokens * arch.vocab * compute  # the logits and their gradient
+                + gathered_layers)
+    # The no-grad forwards of the old and reference log-probs keep no graph: one layer's working
+    # set and the logits (and their trimmed copy) of log_prob_rows sequences at a time, at most
+    # the learner's share of the step.
+    log_prob_rows = min(cfg.optim.log_prob_rows, math.ceil(derived.sequences_per_step / derived.num_learner_ranks))
+    log_prob_forward = (log_prob_rows * sequence * arch.saved_per_token_layer(compute)
+                        + 2 * log_prob_rows * cfg.rollout.max_response_length * arch.vocab * compute
+                        + gathered_layers)
+    activations = max(training, log_prob_forward)
     # AdamW (foreach) holds one fp32 temporary the size of a shard while it steps; activations are
     # gone by then, so the peak is the larger of the two on top of what persists.
     state, step = {"params": params, "grads": grads, "optimizer": optimizer}, 4 * shard

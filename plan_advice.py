@@ -423,6 +423,9 @@ def activation_advice(cfg: Config, activations: int, check: str) -> Advice:
     else:
         notes.append(f"a shorter max_response_length: the activations are a micro-batch's of 1 x "
                      f"{cfg.data.max_prompt_length + cfg.rollout.max_response_length} tokens")
+    if cfg.optim.log_prob_rows > batch:
+        notes.append(Suggestion((("log_prob_batch_size", batch),), check,
+                                " (the old and reference log-probs' forwards no wider than a micro-batch)"))
     return notes
 
 

@@ -69,7 +69,8 @@ def disagreement(assets: Path, model: Path, out: Path, batches: int) -> dict[str
             "differed_tokens": 0, "context_differed_tokens": 0, "gap_differed": 0.0, "gap_context_differed": 0.0}
     for index in range(batches):
         batch, _, _ = trainer.rollout.generate_shard(1, index + 1)
-        for _, part in learner.micro_batches(batch, torch.arange(batch.prompt_ids.shape[0])):
+        for _, part in learner.micro_batches(batch, torch.arange(batch.prompt_ids.shape[0]),
+                                             cfg.optim.per_device_batch_size):
             mask = part.response_mask
             width = mask.shape[1]
             recorder = routing.RoutingRecorder(learner.policy)

@@ -90,6 +90,32 @@ def reward_model_hand_count(c) -> int:
     return c["num_hidden_layers"] * layer + c["vocab_size"] * hidden + hidden + hidden * len(c["id2label"])
 
 
+def test_the_learners_activations_count_a_wider_no_grad_log_prob_forward(demo_assets):
+    """log_prob_batch_size: the learner's activations are the larger of a training micro-batch's
+    and a no-grad log-prob forward's (one layer's working set, the logits and their trimmed copy)
+    over at most the learner's share of the step's sequences."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(demo_assets / "model")
+    arch = Architecture.of(model_config)
+    argv = ["--model_path", str(demo_assets / "model"), "--prompts_per_step", "6", "--sample_num", "8",
+            "--max_prompt_length", "64", "--max_response_length", "8", "--per_device_batch_size", "8",
+            "--gradient_accumulation_steps", "1", "--learner_dtype", "fp32"]
+
+    def activations(*extra: str) -> int:
+        cfg = load_config(argv + list(extra))
+        return make_plan(cfg, Derived.of(cfg, 8), model_config, 2**30, with_reference=False)["learner_rank"][
+            "device"]["activations"]
+
+    training = activations()
+    assert activations("--log_prob_batch_size", "8") == training  # as wide as a micro-batch: training's peak
+    rows = 48 // 2  # a learner's share: its log-prob forwards never hold more
+    forward = (rows * 72 * arch.saved_per_token_layer(4) + 2 * rows * 8 * arch.vocab * 4
+               + 2 * 4 * arch.largest_layer_params)
+    assert activations("--log_prob_batch_size", "48") == forward > training
+    assert activations("--log_prob_batch_size", "400") == forward
+
+
 def test_a_reward_model_is_counted_on_each_rollout_rank_in_the_rollouts_compute_dtype(demo_assets, tmp_path):
     from transformers import AutoConfig
 

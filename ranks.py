@@ -197,15 +197,15 @@ def init_groups(layout: Layout, backend: str, timeout_s: float, learner_backend:
     # no model need not receive one it would drop, and its part in the exchanges of the sync
     # group is all it has to keep.
     weights, engine = sync, None
-    if layout.tensor_parallel > 1 and not every_engine_rank_takes_weights:
-        engine_ranks = [rank for rank in range(layout.num_rollout) if replace(layout, rank=rank).drives_engine]
-        weights = dist.new_group(engine_ranks + [layout.lead_learner], backend=backend, timeout=timeout)
     if layout.tensor_parallel > 1 and every_engine_rank_takes_weights:
         # Each engine's ranks hand their handles to the engine rank (Python objects: gloo).
         for first in range(0, layout.num_rollout, layout.tensor_parallel):
             group = dist.new_group(list(range(first, first + layout.tensor_parallel)), backend="gloo", timeout=timeout)
             if not layout.is_learner and layout.engine_ranks[0] == first:
                 engine = group
+    elif layout.tensor_parallel > 1:
+        engine_ranks = [rank for rank in range(layout.num_rollout) if replace(layout, rank=rank).drives_engine]
+        weights = dist.new_group(engine_ranks + [layout.lead_learner], backend=backend, timeout=timeout)
     takes_weights = layout.drives_engine or (engine is not None)
     return Groups(learners=learners if layout.is_learner else None,
                   sync=sync if (not layout.is_learner or layout.is_lead) else None,

@@ -304,11 +304,11 @@ class IpcWeights(_VllmWeights):
         assert data.untyped_storage().data_ptr() == self.storage.untyped_storage().data_ptr(), \
             "a bucket's parameters lie in one shared buffer"
         self._stage(index, data.storage_offset() * data.element_size(), data.numel() * data.element_size())
-        if self.load_buffer is not None and data.untyped_storage().data_ptr() != self.load_buffer.data_ptr():
-            self.load_buffer = None  # a resumed rank's: the broadcast's buffer serves from now on
 
     def flush(self) -> None:
         if self.staged:
+            if self.load_buffer is not None and self.storage.data_ptr() != self.load_buffer.data_ptr():
+                self.load_buffer = None  # a resumed rank's: the broadcast's buffer serves from now on
             if torch.accelerator.is_available():  # the broadcast's writes are done before another process reads them
                 torch.accelerator.synchronize()
             handles = {ipc_key(self.platform.device, self.position): ipc_handle(self.storage)}

@@ -113,6 +113,9 @@ def parse_rejection(modes: str, thresholds: Optional[str]) -> tuple[RejectionChe
     for name, spec in zip(names, specs):
         band = _band(spec, "rollout_rs_threshold")
         if name.endswith("k1") and band.lower is None:
+            if band.upper < 1:  # the band [1/U, U] is empty: every token would be rejected (verl refuses it too)
+                raise ValueError(f"rollout_rs_threshold {spec!r}: {name} with one bound U keeps ratios in [1/U, U], "
+                                 f"empty for U below 1; give U >= 1 or a 'lower_upper' band")
             band = Band(band.upper, 1.0 / band.upper)
         elif not name.endswith("k1") and band.lower is not None:
             raise ValueError(f"rollout_rs_threshold {spec!r}: {name} takes one upper bound (a 'lower_upper' band "

@@ -114,6 +114,9 @@ def test_rejection_by_hand(modes, threshold, keep):
     (["--rollout_rs", "token_k2"], "rollout_rs needs rollout_rs_threshold"),
     (["--rollout_rs", "token_k2", "--rollout_rs_threshold", "0.5_2"], "token_k2 takes one upper bound"),
     (["--rollout_rs", "token_k2,seq_max_k3", "--rollout_rs_threshold", "1,2,3"], "3 thresholds for 2 rollout_rs modes"),
+    # one bound U below 1: k1's band [1/U, U] would be empty and reject every token
+    (["--rollout_rs", "token_k1", "--rollout_rs_threshold", "0.5"], "token_k1 with one bound U keeps ratios in"),
+    (["--rollout_rs", "token_k2,seq_sum_k1", "--rollout_rs_threshold", "2,0.9"], "seq_sum_k1 with one bound U"),
     (["--rollout_is", "tokens"], "config key 'rollout_is' expects one of 'token', 'sequence', got 'tokens'"),
     (["--rollout_is", "token", "--rollout_is_threshold", "2_1"], "rollout_is_threshold '2_1': the lower bound is above"),
     (["--rollout_is_threshold", "-1"], "rollout_is_threshold '-1': bounds must be > 0"),

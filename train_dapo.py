@@ -30,6 +30,7 @@ import memory_plan
 import plan_advice
 import resuming
 import stopping
+import versions
 from config import Config, Derived, Schedule, UserError, load_config, split_inspection, uses_fsdp, warnings_for
 from data_prep import check_reward_on_data, load_run_inputs
 from device import (Platform, bind_host_cores, experts_implementation, seed_everything, select_platform,
@@ -314,6 +315,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         derived, layout = launch_layout(cfg, *asked)
         world_size, lead = layout.world_size, layout.is_lead
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        versions.check_stack(plat.kind, cfg.model.rollout_engine)  # --plan and --dry_run too
         check_inputs(cfg, reads_data=inspection is None)  # before anything loads and output_dir is written
         if inspection == "dry_run":
             return dry_run.run(cfg, derived)

@@ -56,3 +56,13 @@ def test_no_function_is_longer_than_a_screen():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert long == []
+
+
+def test_the_package_lists_every_module():
+    """pyproject's py-modules is what a wheel (a non-editable install) holds: a module missing
+    from it installs a train_dapo.py that cannot import its neighbours."""
+    import tomllib
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
+    assert sorted(listed) == sorted(MODULES), (f"py-modules lacks {sorted(set(MODULES) - set(listed))}, "
+                                               f"names no file {sorted(set(listed) - set(MODULES))}")

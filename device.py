@@ -453,6 +453,24 @@ def experts_implementation(device_type: str) -> str:
 
 
 NPU_GROUPED_EXPERTS, DENSE_EXPERTS = "npu_grouped_matmul", "dense"
+# The experts kernels transformers ships and builds a model with by name (it accepts "deepgemm"
+# too, but experts_implementation never gives it).
+TRANSFORMERS_EXPERTS = ("eager", "grouped_mm", "batched_mm")
+
+
+def use_experts_kernel(model: torch.nn.Module, kernel: str) -> None:
+    """``model``'s fused MoE experts run ``kernel`` (experts_implementation's) from their next
+    forward: the name goes on the model's config and its sub-configs, which each experts module
+    reads at every forward and looks up in transformers' ExpertsInterface, where ours are
+    registered (integrations/moe.py, use_experts_implementation). Ours are set on a built
+    model, here, because transformers before 5.7 builds one with its own names only, whatever
+    the interface holds (modeling_utils.py, get_correct_experts_implementation): a model for
+    ours is built with "eager" and given ours here (hf_weights.empty_model)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if kernel != "eager" and kernel not in ALL_EXPERTS_FUNCTIONS:
+        raise ValueError(f"experts kernel {kernel!r} is not registered in transformers' ExpertsInterface")
+    model.config._experts_implementation = kernel
 
 
 @functools.lru_cache(maxsize=None)

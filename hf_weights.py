@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from config import UserError
-from device import experts_implementation
+from device import TRANSFORMERS_EXPERTS, experts_implementation, use_experts_kernel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -106,11 +106,15 @@ def empty_model(path: Path, device: Any, dtype: torch.dtype,
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config()
     has_experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    # transformers refuses the setting for a dense model
-    kernel = {"experts_implementation": experts_implementation(computes_on or torch.device(device).type)} \
-        if has_experts else {}
+    # transformers refuses the setting for a dense model, and before 5.7 any kernel but its own
+    # (device.use_experts_kernel): ours are set on the built model
+    kernel = experts_implementation(computes_on or torch.device(device).type) if has_experts else None
+    built_with = {} if kernel is None else \
+        {"experts_implementation": kernel if kernel in TRANSFORMERS_EXPERTS else "eager"}
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kernel)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **built_with)
+    if kernel is not None:
+        use_experts_kernel(model, kernel)
     if prepare is not None:
         prepare(model)
     model.to_empty(device=device)

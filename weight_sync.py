@@ -33,6 +33,7 @@ resumed rollout rank reads its version from the checkpoint's learner shards the 
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import shutil
@@ -71,8 +72,12 @@ class RolloutWeights:
     def __init__(self, model_config: Any, rollout_dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):  # the architecture's names and shapes, without weights
-            policy = AutoModelForCausalLM.from_config(model_config)
+        # The architecture's names and shapes, without weights, built from a copy of the config
+        # (from_config writes its settings into the one it is given) with transformers' own experts
+        # kernel: a policy's config may name ours, which transformers before 5.7 builds with no
+        # model (device.use_experts_kernel).
+        with torch.device("meta"):
+            policy = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), experts_implementation="eager")
         named = list(policy.named_parameters())
         self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
         self.fp8 = fp8_parameter_names(policy) if rollout_dtype == "fp8" else set()

@@ -264,6 +264,49 @@ def test_npu_experts_never_read_the_device(monkeypatch):
     assert counted.seen  # what the check looks for is there
 
 
+@pytest.mark.parametrize("torch_npu_has_it", [True, False])
+def test_a_model_built_for_an_npu_runs_its_experts_on_our_kernel(tmp_path, monkeypatch, torch_npu_has_it):
+    """hf_weights.empty_model for a model that computes on an NPU, on every transformers the
+    project takes (before 5.7 transformers builds a model with none but its own experts kernels):
+    each experts layer's forward goes through ours (torch_npu's grouped matmul, here as its
+    documentation says it computes; without it the dense path), the logits and every parameter's
+    gradient are those of transformers' grouped_mm experts, and a rollout's weight form builds
+    from the model's config without taking its kernel away."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    from hf_weights import empty_model
+    from weight_sync import RolloutWeights
+
+    torch_npu = types.SimpleNamespace(npu_grouped_matmul=emulated_npu_grouped_matmul) if torch_npu_has_it else None
+    monkeypatch.setattr(device, "_import_torch_npu", lambda: torch_npu)
+    kernel = device.experts_implementation("npu")
+    ran = []
+
+    def through_ours(experts, *args, **kwargs):
+        ran.append(experts)
+        return ours(experts, *args, **kwargs)
+
+    ours = ALL_EXPERTS_FUNCTIONS[kernel]
+    monkeypatch.setitem(ExpertsInterface._global_mapping, kernel, through_ours)
+    reference = moe_model(torch.float32)
+    reference.config.save_pretrained(tmp_path)
+    model = empty_model(tmp_path, "cpu", torch.float32, computes_on="npu")
+    model.load_state_dict(reference.state_dict())
+    assert model.config._experts_implementation == kernel
+    ids = torch.randint(1, reference.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    results = []
+    for built in (model, reference):
+        built.train()
+        logits = built(input_ids=ids).logits
+        logits.float().pow(2).mean().backward()
+        results.append([logits.detach()] + [p.grad for _, p in sorted(built.named_parameters())])
+    assert ran == [layer.mlp.experts for layer in model.model.layers]  # the reference's are transformers'
+    for got, expected in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max(), rtol=0)
+    assert RolloutWeights(model.config, "bf16").names == [name for name, _ in model.named_parameters()]
+    assert model.config._experts_implementation == kernel
+
+
 # ----- the stand-in, following the NPU's rules ---------------------------------------------------
 
 def test_each_planted_npu_mistake_is_caught(tmp_path):

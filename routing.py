@@ -119,24 +119,45 @@ class Replay:
     def differs(self) -> torch.Tensor:
         return torch.stack(self.layer_differs, dim=-1).view(*self.ids.shape[:2], -1)
 
-    def hook(self, index: int) -> Any:
+    def hook(self, index: int, gives_probabilities: bool) -> Any:
         def replay(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-            logits, _, own = output
+            first, _, own = output
             chosen = self.ids[:, :, index].reshape(-1, self.ids.shape[-1]).long()
             if self.measure:
                 self.layer_differs[index] = top_k_differs(own, chosen)
-            return logits, replayed_weights(logits, chosen, module.norm_topk_prob), chosen
+            return first, replayed_weights(first, chosen, module.norm_topk_prob, softmaxed=gives_probabilities), chosen
         return replay
 
 
-def replayed_weights(logits: torch.Tensor, chosen: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+def replayed_weights(logits: torch.Tensor, chosen: torch.Tensor, norm_topk_prob: bool, *,
+                     softmaxed: bool = False) -> torch.Tensor:
     """The gate weights of the ``chosen`` experts, as the router computes them for its own top-k:
-    softmax over all experts' logits (in float32), taken at the chosen ids, renormalised over them
-    when the model does so; differentiable in the logits."""
-    weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, chosen)
+    softmax over all experts' logits (in float32; ``softmaxed``: ``logits`` are already that, the
+    router's first output where gives_probabilities), taken at the chosen ids, renormalised over
+    them when the model does so; differentiable in the logits."""
+    weights = (logits if softmaxed else F.softmax(logits, dtype=torch.float, dim=-1)).gather(-1, chosen)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype)
+
+
+_GIVES_PROBABILITIES: dict[type, bool] = {}
+
+
+def gives_probabilities(router: torch.nn.Module, text_config: Any) -> bool:
+    """Whether ``router``'s first output is its softmax over the experts, not its logits:
+    transformers 5.5.4's Qwen3-MoE router returns the probabilities
+    (models/qwen3_moe/modeling_qwen3_moe.py:266), later releases the logits. Asked once per class
+    of a fresh router on the host, on zero hidden states: logits 0, probabilities 1 / experts."""
+    kind = type(router)
+    if kind not in _GIVES_PROBABILITIES:
+        with torch.device("cpu"), torch.no_grad():
+            probe = kind(text_config)
+            for parameter in probe.parameters():
+                parameter.zero_()
+            first = probe(torch.zeros(1, text_config.hidden_size))[0]
+        _GIVES_PROBABILITIES[kind] = bool(first.abs().sum() > 0)
+    return _GIVES_PROBABILITIES[kind]
 
 
 def top_k_differs(own: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
@@ -157,7 +178,9 @@ def replaying(model: torch.nn.Module, ids: Optional[torch.Tensor], *,
     replay = Replay(ids, measure)
     routers = moe_routers(model)
     assert len(routers) == ids.shape[2], f"{ids.shape[2]} layers of recorded routing for {len(routers)} MoE layers"
-    handles = [router.register_forward_hook(replay.hook(index)) for index, router in enumerate(routers)]
+    text_config = model.config.get_text_config()
+    handles = [router.register_forward_hook(replay.hook(index, gives_probabilities(router, text_config)))
+               for index, router in enumerate(routers)]
     try:
         yield replay
     finally:

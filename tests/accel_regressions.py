@@ -83,6 +83,14 @@ def plant_fp32_matmul_in_a_bf16_region() -> None:
                           offs=torch.tensor([2, 4], dtype=torch.int32).to(device))
 
 
+def plant_fp32_bmm_beside_a_rotary_outer_product() -> None:
+    """Outside autocast, as a bf16 model's own code: the rotary embedding's one-deep fp32 product
+    of inv_freq and the positions (transformers 5.5.4's) is no finding; an fp32 bmm two deep is."""
+    inv_freq, positions = torch.rand(1, 4, 1).to(device), torch.arange(6.0).view(1, 1, 6).to(device)
+    torch.bmm(inv_freq, positions)
+    torch.bmm(torch.randn(1, 4, 2).to(device), torch.randn(1, 2, 6).to(device))
+
+
 # ----- thread ------------------------------------------------------------------------------------
 
 def plant_writer_thread_left_unbound() -> None:

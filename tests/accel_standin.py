@@ -16,7 +16,8 @@ Kinds of findings:
   thread  device work on a thread whose current device is not the rank's own (a new thread
           starts on device 0 on CUDA and NPU)
   dtype   matmuls (mm, bmm, _grouped_mm, ...) and attention, with their input dtypes (and
-          "in backward" / "in attention's backward" where autograd's backward runs them)
+          "in backward" / "in attention's backward" where autograd's backward runs them);
+          outer products (an inner dimension of 1) left out: is_outer_product
   coll    a collective the intended backend lacks or whose tensors it rejects: gather and
           scatter (and their object variants) into HCCL, a host tensor into an NCCL/HCCL
           group, a device tensor into gloo, a dtype HCCL or NCCL lacks (HCCL: no float64 in
@@ -469,6 +470,16 @@ _SYNCS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.
 _FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten._grouped_mm.default,
             aten.linear.default, aten.matmul.default, aten._scaled_mm.default}
+_ADDED_TO = {aten.addmm.default, aten.baddbmm.default}  # their first operand is what the product is added to
+
+
+def is_outer_product(func: Any, args: tuple) -> bool:
+    """Whether matmul ``func`` on ``args`` is one-deep (an inner dimension of 1): an outer
+    product, each output one multiply with nothing summed, so fp32 inputs cost no bf16 kernel
+    anything. transformers 5.5.4's rotary embedding takes inv_freq times the positions as one,
+    in fp32 on purpose (models/qwen3_moe/modeling_qwen3_moe.py:443). The dtype checks (here
+    and tests/test_learner_precision.py) leave these out; a product two deep or more is checked."""
+    return args[1 if func in _ADDED_TO else 0].shape[-1] == 1
 
 
 def op_name(func: Any) -> str:
@@ -479,7 +490,7 @@ def dtype_names(tensors: list[torch.Tensor]) -> str:
     return ",".join(str(t.dtype).replace("torch.", "") for t in tensors)
 
 
-def check_op(func: Any, flat: list[Any], on_device: list[DeviceTensor]) -> None:
+def check_op(func: Any, args: tuple, flat: list[Any], on_device: list[DeviceTensor]) -> None:
     if len({t.device.index for t in on_device}) > 1:
         record("mix", f"aten.{op_name(func)}: tensors on {NAME}:{sorted({t.device.index for t in on_device})}")
     if func not in _TRANSFERS and func not in _INDEXING:
@@ -491,7 +502,7 @@ def check_op(func: Any, flat: list[Any], on_device: list[DeviceTensor]) -> None:
             record("gen", f"aten.{op_name(func)}: a {generator_device(g).type} generator draws for {NAME} tensors")
     if func in _SYNCS:
         record("sync", f"aten.{op_name(func)}")
-    if func in _MATMULS and not getattr(_local, "in_attention", False):
+    if func in _MATMULS and not getattr(_local, "in_attention", False) and not is_outer_product(func, args):
         uncast = " under autocast, which does not cast it" if _autocast_on() and op_name(func) not in AUTOCAST_LOWER \
             else ""
         record("dtype", f"aten.{op_name(func)}({dtype_names(on_device)}){uncast}{_in_backward()}")
@@ -508,7 +519,7 @@ def run_op(func: Any, args: tuple, kwargs: dict) -> Any:
     if on_device or to_device:
         check_thread(f"aten.{op_name(func)}")
     if on_device:
-        check_op(func, flat, on_device)
+        check_op(func, args, flat, on_device)
         # A non-blocking copy into (pinned) host memory is queued, not waited for.
         if func is aten._to_copy.default and not is_device(kwargs.get("device", on_device[0].device)) \
                 and not kwargs.get("non_blocking"):

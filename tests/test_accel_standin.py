@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
+import torch
+
+from tests.accel_standin import is_outer_product
 
 ROOT = Path(__file__).resolve().parents[1]
 STANDIN = ROOT / "tests" / "accel_standin.py"
@@ -160,6 +163,7 @@ PLANTED = {
     "plant_param_data_from_the_host": ("mix", "param.data = a host tensor"),
     "plant_host_read_of_a_device_value": ("sync", "aten._local_scalar_dense"),
     "plant_fp32_matmul_in_a_bf16_region": ("dtype", "aten._grouped_mm(float32,float32,int32) under autocast"),
+    "plant_fp32_bmm_beside_a_rotary_outer_product": ("dtype", "aten.bmm(float32,float32)"),
     "plant_writer_thread_left_unbound": ("thread", "never set its device"),
     "plant_writer_thread_on_another_device": ("thread", "runs on device 1"),
     "plant_host_tensor_into_hccl": ("coll", "dist.all_reduce: a host torch.float32 tensor into a 'hccl' group"),
@@ -190,7 +194,24 @@ def test_each_injected_mistake_is_caught(tmp_path):
               if not any(f["kind"] == kind and what in f["what"] and plant in (*f["functions"], f["thread"])
                          for f in findings)]
     assert not missed, f"not caught: {missed}\n{describe(findings)}"
+    beside = [f for f in findings if "plant_fp32_bmm_beside_a_rotary_outer_product" in f["functions"]]
+    assert [(f["what"], f["count"]) for f in beside] == [("aten.bmm(float32,float32)", 1)], describe(beside)  # one of two
     assert any(f["site"].startswith("engine_builtin.py") for f in findings if f["kind"] == "gen")  # the decode loop
+
+
+def test_only_a_one_deep_matmul_is_an_outer_product():
+    """What the dtype checks leave out (here and in test_learner_precision): an inner dimension of
+    1, wherever each op keeps it (addmm and baddbmm: after the tensor added to)."""
+    aten = torch.ops.aten
+    for depth, outer in ((1, True), (2, False)):
+        a2, b2, a3, b3 = torch.ones(4, depth), torch.ones(depth, 3), torch.ones(2, 4, depth), torch.ones(2, depth, 3)
+        assert is_outer_product(aten.mm.default, (a2, b2)) is outer
+        assert is_outer_product(aten.addmm.default, (torch.ones(4, 3), a2, b2)) is outer
+        assert is_outer_product(aten.bmm.default, (a3, b3)) is outer
+        assert is_outer_product(aten.baddbmm.default, (torch.ones(2, 4, 3), a3, b3)) is outer
+        assert is_outer_product(aten.linear.default, (a2, torch.ones(3, depth))) is outer
+    # The bias is no operand: addmm of a [4, 1] bias with a two-deep product is checked.
+    assert not is_outer_product(aten.addmm.default, (torch.ones(4, 1), torch.ones(4, 2), torch.ones(2, 1)))
 
 
 def test_on_the_npus_rules_fp8_stays_codes_and_the_experts_wait_for_nothing(job):

@@ -17,6 +17,7 @@ from config import Derived, load_config
 from device import select_platform
 from learner import Learner
 from ranks import Groups, Layout
+from tests.accel_standin import is_outer_product
 from tests.host_reads import HostReads
 from tests.test_rollout import fake_batch
 
@@ -26,15 +27,15 @@ MATMULS = {torch.ops.aten._grouped_mm.default, torch.ops.aten.mm.default, torch.
 
 class MatmulDtypes(TorchDispatchMode):
     """How many matmuls ran with which floating-point input dtypes: {(op, dtypes...): count}. Outer
-    products (an inner dimension of 1) are left out: transformers 5.5.4's rotary embedding takes
-    inv_freq times the positions as one, in fp32 on purpose (models/qwen3_moe/modeling_qwen3_moe.py:443)."""
+    products are left out, as the stand-in accelerator leaves them out (is_outer_product: transformers
+    5.5.4's rotary embedding takes inv_freq times the positions as one, in fp32 on purpose)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in MATMULS and (args[1] if func is torch.ops.aten.addmm.default else args[0]).shape[-1] != 1:
+        if func in MATMULS and not is_outer_product(func, args):
             floats = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             dtypes = tuple(str(t.dtype) for t in floats)
             self.seen[(func.overloadpacket.__name__, *dtypes)] += 1

@@ -39,7 +39,7 @@ import hf_weights
 from config import Config, Derived, RunConfig, uses_fsdp
 from device import Platform
 from metrics import log
-from routing import RoutingShape
+from routing import RoutingShape, moe_routers
 from ranks import Layout, gather_json
 
 GIB = 2**30
@@ -62,6 +62,7 @@ class Architecture:
     largest_param: int
     fp8_rollout_bytes: int  # the FP8 rollout copy: quantized weights, scales, the rest in bf16
     routing_bytes_per_token: int = 0  # routing_replay's expert ids (routing.py); 0 without MoE layers
+    router_weights_fp32: bool = False  # the router hands the experts float32 top-k weights at bf16 (router_keeps_fp32)
 
     @staticmethod
     def of(model_config: Any) -> "Architecture":
@@ -83,7 +84,8 @@ class Architecture:
             largest_layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
             largest_param=max(p.numel() for p in model.parameters()),
             fp8_rollout_bytes=weight_bytes(convert_to_fp8(model, torch.bfloat16)),
-            routing_bytes_per_token=routing.bytes_per_token if (routing := RoutingShape.of(model_config)) else 0)
+            routing_bytes_per_token=routing.bytes_per_token if (routing := RoutingShape.of(model_config)) else 0,
+            router_weights_fp32=bool(routers := moe_routers(model)) and router_keeps_fp32(type(routers[0]), text))
 
     def saved_per_token_layer(self, dtype_bytes: int) -> int:
         """Activations one decoder layer keeps for backward, per token: norms' inputs, q/k/v and
@@ -91,6 +93,30 @@ class Architecture:
         attention = 2 * self.hidden + self.q_dim + 2 * self.kv_heads * self.head_dim + self.q_dim
         experts = self.experts_per_token * 3 * self.expert_intermediate
         return (attention + experts) * dtype_bytes
+
+    def routed_in_fp32(self, dtype_bytes: int, outputs: int) -> int:
+        """Bytes per token beyond ``dtype_bytes`` compute where the router hands the experts
+        float32 top-k weights (router_weights_fp32): the weights themselves, and ``outputs`` of the
+        experts' weighted outputs ([top_k, hidden] a token), which the weights promote to float32
+        (transformers 5.5.4's integrations/moe.py:418, ``proj_out * sample_weights_g``). One
+        layer's backward holds three at once (measured by the dry run: the gradient of the
+        unpermuted outputs and the two of the weighting multiply), a no-grad forward two (the
+        weighted outputs and their unpermuted copy). 0 where the weights come in the compute dtype."""
+        if not self.router_weights_fp32 or dtype_bytes >= 4:
+            return 0
+        return self.experts_per_token * (outputs * self.hidden + 1) * (4 - dtype_bytes)
+
+
+def router_keeps_fp32(router_class: type, text_config: Any) -> bool:
+    """Whether a router of ``router_class`` (routing.moe_routers), computing in bf16, returns its
+    top-k weights in float32. transformers 5.5.4's Qwen3-MoE router writes its float32 softmax
+    over ``router_logits`` and casts the top-k weights to that tensor's dtype, so they stay float32
+    (models/qwen3_moe/modeling_qwen3_moe.py:266-270); later releases keep the logits and cast the
+    weights to the input's dtype. Asked of the installed transformers, on the meta device."""
+    with torch.device("meta"):
+        probe = router_class(text_config).to(torch.bfloat16)
+        out = probe(torch.zeros(1, text_config.hidden_size, dtype=torch.bfloat16))
+    return isinstance(out, tuple) and len(out) > 1 and out[1].dtype == torch.float32
 
 
 def _dtype_bytes(name: str) -> int:
@@ -205,14 +231,19 @@ def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_refe
     layer_inputs = tokens * arch.hidden * compute * arch.layers if cfg.model.gradient_checkpointing else 0
     response_tokens = cfg.optim.per_device_batch_size * cfg.rollout.max_response_length
     gathered_layers = 2 * 4 * arch.largest_layer_params  # FSDP2's gathered layer and the next, prefetched
+    # Where the router's weights are float32 (transformers 5.5.4), one layer's backward holds
+    # three float32 routed outputs, and each saved layer keeps float32 weights.
+    routed_fp32 = tokens * (arch.routed_in_fp32(compute, outputs=3)
+                            + (saved_layers - 1) * arch.routed_in_fp32(compute, outputs=0))
     training = (tokens * arch.saved_per_token_layer(compute) * saved_layers + layer_inputs
                 + 2 * response_tokens * arch.vocab * compute  # the logits and their gradient
-                + gathered_layers)
+                + gathered_layers + routed_fp32)
     # The no-grad forwards of the old and reference log-probs keep no graph: one layer's working
     # set and the logits (and their trimmed copy) of log_prob_rows sequences at a time, at most
     # the learner's share of the step.
     log_prob_rows = min(cfg.optim.log_prob_rows, math.ceil(derived.sequences_per_step / derived.num_learner_ranks))
-    log_prob_forward = (log_prob_rows * sequence * arch.saved_per_token_layer(compute)
+    log_prob_forward = (log_prob_rows * sequence * (arch.saved_per_token_layer(compute)
+                                                    + arch.routed_in_fp32(compute, outputs=2))
                         + 2 * log_prob_rows * cfg.rollout.max_response_length * arch.vocab * compute
                         + gathered_layers)
     activations = max(training, log_prob_forward)

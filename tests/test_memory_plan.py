@@ -595,3 +595,37 @@ def test_the_room_for_checkpoints_is_what_is_free_and_this_runs_own(tmp_path, mo
     (out / "checkpoints" / "step_00000001").mkdir(parents=True)
     (out / "checkpoints" / "step_00000001" / "weights").write_bytes(b"x" * 3 * 2**20)
     assert checkpoint_room(out) == (8 * 2**20, f"free under {out} + 3.0 MiB of this run's checkpoints")
+
+
+@pytest.mark.parametrize("checkpointing", ["true", "false"])
+def test_float32_router_weights_are_planned_where_the_installed_router_keeps_them(demo_assets, checkpointing):
+    """transformers 5.5.4's Qwen3-MoE router hands the experts float32 top-k weights (later releases
+    the compute dtype's), which make the experts' weighted outputs float32: the plan asks the
+    installed router (on meta, as a real bf16 router computes here) and, where float32, counts for
+    a bf16 learner one layer's backward's three float32 routed outputs and each saved layer's
+    weights, per token (the dry run measures them: tests/test_dry_run.py); for fp32, nothing."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from routing import moe_routers
+
+    model_config = AutoConfig.from_pretrained(demo_assets / "model")
+    arch = Architecture.of(model_config)
+    router = moe_routers(AutoModelForCausalLM.from_config(model_config).to(torch.bfloat16))[0]
+    weights = router(torch.randn(5, arch.hidden, dtype=torch.bfloat16))[1]
+    assert arch.router_weights_fp32 == (weights.dtype == torch.float32)
+
+    def activations(router_weights_fp32: bool, dtype: str) -> int:
+        cfg = load_config(["--model_path", str(demo_assets / "model"), *DEMO_SHAPE, "--learner_dtype", dtype,
+                           "--gradient_checkpointing", checkpointing])
+        return make_plan(cfg, Derived.of(cfg, 8), model_config, 2**30, with_reference=False,
+                         arch=dataclasses.replace(arch, router_weights_fp32=router_weights_fp32))[
+            "learner_rank"]["device"]["activations"]
+
+    tokens, layers = 8 * 72, 1 if checkpointing == "true" else arch.layers
+    promoted = 4 - 2  # bytes a value gains from bf16 to float32
+    routed = tokens * arch.experts_per_token * (3 * arch.hidden + layers) * promoted
+    assert activations(True, "bf16") - activations(False, "bf16") == routed > 0
+    assert activations(True, "fp32") == activations(False, "fp32")

@@ -7,6 +7,7 @@ tests/test_accel_standin.py says which finding each plant must leave.
     AUDIT_OUT=DIR python tests/accel_standin.py tests/accel_regressions.py
 """
 import sys
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -140,15 +141,21 @@ def plant_gather_object_into_hccl() -> None:
     dist.gather_object({"step": 1}, [None], dst=0)
 
 
+def _fsdp_collective(single: str, tensor: str) -> Any:
+    """The collective FSDP2 calls in the installed torch: the *_single form where torch has it
+    (2.13's _fsdp_collectives.py), else the *_tensor form (2.10's), with the same (output, input)."""
+    return getattr(dist, single, None) or getattr(dist, tensor)
+
+
 def plant_fsdp_all_gather_of_a_host_shard() -> None:
     """FSDP2 gathers parameters with all_gather_single and reduces gradients with
-    reduce_scatter_single."""
-    dist.all_gather_single(torch.empty(2), torch.ones(2))
+    reduce_scatter_single (all_gather_into_tensor and reduce_scatter_tensor before torch 2.13)."""
+    _fsdp_collective("all_gather_single", "all_gather_into_tensor")(torch.empty(2), torch.ones(2))
 
 
 def plant_fsdp_reduce_scatter_of_float64_gradients() -> None:
-    dist.reduce_scatter_single(torch.empty(2, dtype=torch.float64).to(device),
-                               torch.ones(2, dtype=torch.float64).to(device))
+    _fsdp_collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        torch.empty(2, dtype=torch.float64).to(device), torch.ones(2, dtype=torch.float64).to(device))
 
 
 def plant_functional_collective_of_a_host_tensor() -> None:

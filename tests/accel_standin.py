@@ -693,7 +693,8 @@ def _patch_distributed() -> None:
 
     dist.init_process_group, dist.new_group = init_on_gloo, new_group_on_gloo
     for name in _REDUCING + _MOVING:
-        setattr(dist, name, checked(name))
+        if hasattr(dist, name):  # torch 2.10's FSDP2 calls the *_tensor forms; *_single came later
+            setattr(dist, name, checked(name))
 
 
 def _in_backward() -> str:

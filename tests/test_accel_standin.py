@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.accel_standin import is_outer_product
 
@@ -154,6 +155,8 @@ def test_the_learner_waits_for_the_device_no_more_often_with_more_micro_batches(
 
 # Each plant_* function of tests/accel_regressions.py: the kind of finding it must leave and a
 # piece of what the finding says.
+FSDP_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+FSDP_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 PLANTED = {
     "plant_host_generator_for_device_draws": ("gen", "a cpu generator draws for accel tensors"),
     "plant_host_generator_with_a_device_generators_seed": ("gen", "a cpu generator draws for accel tensors"),
@@ -173,8 +176,9 @@ PLANTED = {
     "plant_dtype_nccl_lacks": ("coll", "torch.int16 (NCCL"),
     "plant_gather_into_hccl": ("coll", "ProcessGroupHCCL has no gather"),
     "plant_gather_object_into_hccl": ("coll", "ProcessGroupHCCL has no gather_object"),
-    "plant_fsdp_all_gather_of_a_host_shard": ("coll", "dist.all_gather_single: a host"),
-    "plant_fsdp_reduce_scatter_of_float64_gradients": ("coll", "dist.reduce_scatter_single: torch.float64"),
+    # FSDP2's own collectives: the *_single forms from torch 2.13, the *_tensor forms before
+    "plant_fsdp_all_gather_of_a_host_shard": ("coll", f"dist.{FSDP_GATHER}: a host"),
+    "plant_fsdp_reduce_scatter_of_float64_gradients": ("coll", f"dist.{FSDP_REDUCE_SCATTER}: torch.float64"),
     "plant_functional_collective_of_a_host_tensor": ("coll", "_c10d_functional.all_reduce: a host"),
     "plant_functional_collective_of_float64": ("coll", "_c10d_functional.all_gather_into_tensor: torch.float64"),
 }

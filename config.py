@@ -44,6 +44,8 @@ class ModelConfig:
     learner_dtype: Literal["fp32", "bf16"] = "bf16"
     gradient_checkpointing: bool = False
     learner_offload: bool = False  # FSDP2 keeps parameters, gradients and AdamW state in host memory
+    # verl's name: the learner's forwards run on each micro-batch's real tokens packed into one row
+    use_remove_padding: bool = True
     eos_token_ids: list[int] = field(default_factory=list)  # stop ids on top of the tokenizer's EOS
 
 
@@ -126,11 +128,28 @@ class OptimConfig:
     # Sequences per forward of the no-grad log-probs (old log-probs, the KL reference), as verl's
     # log_prob_micro_batch_size: without a graph to keep they can take more rows than training.
     log_prob_batch_size: Optional[int] = None  # None = per_device_batch_size
+    # verl's names: micro-batches filled by real tokens (prompt + response) up to a budget per
+    # learner rank instead of a number of rows; the mini-batches, and so the optimizer steps, stay.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # None = ppo_max_token_len_per_gpu
 
     @property
     def log_prob_rows(self) -> int:
         """Sequences per no-grad log-prob forward on a learner rank."""
         return self.log_prob_batch_size or self.per_device_batch_size
+
+    @property
+    def update_token_budget(self) -> Optional[int]:
+        """Real tokens per training micro-batch on a learner rank; None: per_device_batch_size rows."""
+        return self.ppo_max_token_len_per_gpu if self.use_dynamic_bsz else None
+
+    @property
+    def log_prob_token_budget(self) -> Optional[int]:
+        """Real tokens per no-grad log-prob forward on a learner rank; None: log_prob_rows rows."""
+        if not self.use_dynamic_bsz:
+            return None
+        return self.log_prob_max_token_len_per_gpu or self.ppo_max_token_len_per_gpu
 
 
 @dataclass(frozen=True)
@@ -421,6 +440,9 @@ def validate(cfg: Config) -> None:
         (cfg.optim.ppo_epochs >= 1, "ppo_epochs must be >= 1"),
         (cfg.optim.log_prob_batch_size is None or cfg.optim.log_prob_batch_size >= 1,
          "log_prob_batch_size must be >= 1 (null = per_device_batch_size)"),
+        (cfg.optim.ppo_max_token_len_per_gpu >= 1, "ppo_max_token_len_per_gpu must be >= 1"),
+        (cfg.optim.log_prob_max_token_len_per_gpu is None or cfg.optim.log_prob_max_token_len_per_gpu >= 1,
+         "log_prob_max_token_len_per_gpu must be >= 1 (null = ppo_max_token_len_per_gpu)"),
         (cfg.run.max_steps >= 1, "max_steps must be >= 1"),
         (cfg.run.learner_ranks >= 1, "learner_ranks must be >= 1"),
         (cfg.run.max_staleness in (0, 1), "max_staleness must be 0 or 1"),
@@ -688,6 +710,9 @@ KEY_HELP: dict[str, str] = {
     "learner_dtype": "learner compute dtype (bf16: FSDP2 mixed precision over fp32 master weights)",
     "gradient_checkpointing": "recompute activations in the backward pass",
     "learner_offload": "keep the learners' parameters, gradients and AdamW state in host memory (needs torchrun)",
+    "use_remove_padding": "the learner's forwards (old log-probs, reference, update) compute each micro-batch's real "
+                          "tokens packed into one row, attention kept inside each sequence; false: rows padded to "
+                          "the micro-batch's longest",
     "eos_token_ids": "stop token ids besides the tokenizer's EOS, e.g. [151645, 151643] for Qwen3",
     # data
     "dataset": "training prompts: JSONL, JSON or Parquet",
@@ -746,6 +771,13 @@ KEY_HELP: dict[str, str] = {
     "ppo_epochs": "passes over a step's samples",
     "log_prob_batch_size": "sequences per no-grad forward of the old and reference log-probs on a learner rank "
                            "(null = per_device_batch_size)",
+    "use_dynamic_bsz": "micro-batches filled by real tokens up to ppo_max_token_len_per_gpu (the forwards of "
+                       "log-probs: log_prob_max_token_len_per_gpu) instead of per_device_batch_size rows; the "
+                       "mini-batches stay; a longer row is a micro-batch of its own",
+    "ppo_max_token_len_per_gpu": "with use_dynamic_bsz: real tokens (prompt + response) per training micro-batch "
+                                 "on a learner rank (--plan says which fits)",
+    "log_prob_max_token_len_per_gpu": "with use_dynamic_bsz: real tokens per no-grad forward of the old and "
+                                      "reference log-probs (null = ppo_max_token_len_per_gpu)",
     # run
     "config": "YAML file of settings (keys at the top level or under their section)",
     "device": "auto picks npu, then cuda, then cpu; a device named but absent is refused",

@@ -179,6 +179,22 @@ def attention_mask_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     return torch.bool if kind_of(device_type) in BOOL_ATTENTION_MASKS else dtype
 
 
+def packed_attention(device_type: str) -> Optional[str]:
+    """The attention kernel a padding-free (packed) learner forward switches to on a
+    ``device_type`` device, or None to keep the model's (sdpa, given a block-diagonal mask:
+    packing.attention_inputs). On NPU with torch_npu: transformers' ``flash_attention_2``, which
+    there is torch_npu's fused attention in its varlen (TND) form, bounded by cu_seq_lens: no
+    [T, T] mask. Elsewhere flash_attn is an optional package, so sdpa stays."""
+    return "flash_attention_2" if kind_of(device_type) == "npu" and _import_torch_npu() is not None else None
+
+
+def varlen_bounds_on_host(device_type: str) -> bool:
+    """Whether a packed forward's cu_seq_lens stay in host memory: transformers' NPU varlen
+    attention turns them into a host tuple in every layer (a wait for the device per layer were
+    they on it); CUDA's flash_attn takes them on the device."""
+    return kind_of(device_type) == "npu"
+
+
 # --- FP8 matmuls -------------------------------------------------------------------------------
 # fp8.py holds weights as float8_e4m3fn values V with one float32 scale s per output row:
 # W = V * s[:, None]. Every e4m3 value is exactly a bf16 (and fp32) value, so the matmuls below

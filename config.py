@@ -180,6 +180,7 @@ class RunConfig:
     disk_gb: Optional[float] = None  # GiB free for checkpoints under output_dir; default: what the filesystem has
     disk_write_gb_per_s: float = 1.0  # GiB/s a node's learners write checkpoints at, for the plan's save times
     weight_sync_bucket_mb: int = 256
+    peak_tflops: Optional[float] = None  # the device's dense bf16 peak for the MFU columns; None: by its name
     length_alarm_steps: int = 20
     overfit_alarm_checks: int = 3
 
@@ -458,6 +459,7 @@ def validate(cfg: Config) -> None:
          f"report_to none means no reporter but the console and metrics.csv: give it alone, got {cfg.run.report_to}"),
         (cfg.run.dist_timeout_s > 0, "dist_timeout_s must be > 0"),
         (cfg.run.disk_write_gb_per_s > 0, "disk_write_gb_per_s must be > 0"),
+        (cfg.run.peak_tflops is None or cfg.run.peak_tflops > 0, "peak_tflops must be > 0 (null = by the device's name)"),
         (all(gb is None or gb > 0 for gb in (cfg.run.device_memory_gb, cfg.run.host_memory_gb, cfg.run.disk_gb)),
          "device_memory_gb, host_memory_gb and disk_gb must be > 0 (null = what the machine reports)"),
         (not (cfg.model.reward_model and cfg.rollout.dynamic_sampling_metric == "acc"),
@@ -805,6 +807,8 @@ KEY_HELP: dict[str, str] = {
     "disk_write_gb_per_s": "GiB/s a node writes checkpoints at, for the memory plan's time per save of each async_save "
                            "mode (1.0: a conservative share of a local NVMe or a shared filesystem)",
     "weight_sync_bucket_mb": "size of the buckets weights are broadcast in, MB",
+    "peak_tflops": "a learner device's dense bf16 peak TFLOPS, for the MFU columns (null: from the device's name, "
+                   "Ascend 910B/C and NVIDIA data-center GPUs; none on a CPU)",
     "length_alarm_steps": "steps of rising response length that fire alarm_length_rising",
     "overfit_alarm_checks": "validations of falling val reward and rising train reward that fire alarm_overfit",
 }

@@ -55,6 +55,11 @@ class Platform:
         """torch.cuda / torch.npu; None on CPU."""
         return None if self.kind == "cpu" else getattr(torch, self.kind)
 
+    def device_name(self) -> Optional[str]:
+        """The name the accelerator reports (e.g. "NVIDIA H200", "Ascend910B3"); None on the CPU."""
+        get_name = getattr(self.module, "get_device_name", None)
+        return get_name(self.local_rank) if get_name is not None else None
+
     def learner_backend(self, offload: bool) -> str:
         """The learners' group backend: with offload, collectives on host tensors (gradient
         clipping's norm over offloaded gradients) go to gloo, the rest to the device's backend,
@@ -179,20 +184,15 @@ def attention_mask_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     return torch.bool if kind_of(device_type) in BOOL_ATTENTION_MASKS else dtype
 
 
-def packed_attention(device_type: str) -> Optional[str]:
-    """The attention kernel a padding-free (packed) learner forward switches to on a
-    ``device_type`` device, or None to keep the model's (sdpa, given a block-diagonal mask:
-    packing.attention_inputs). On NPU with torch_npu: transformers' ``flash_attention_2``, which
-    there is torch_npu's fused attention in its varlen (TND) form, bounded by cu_seq_lens: no
-    [T, T] mask. Elsewhere flash_attn is an optional package, so sdpa stays."""
-    return "flash_attention_2" if kind_of(device_type) == "npu" and _import_torch_npu() is not None else None
+def npu_varlen_attention(device_type: str) -> Optional[Any]:
+    """On NPU with torch_npu: transformers' wrapper of torch_npu's fused attention in its varlen
+    (TND) form, (q, k, v, cu_seqlens_q, cu_seqlens_k, ...) -> out, which reads the bounds on the
+    host; None elsewhere (packing.varlen_attention then runs sdpa a sequence at a time)."""
+    if kind_of(device_type) != "npu" or _import_torch_npu() is None:
+        return None
+    from transformers.integrations.npu_flash_attention import npu_flash_attn_varlen_func
 
-
-def varlen_bounds_on_host(device_type: str) -> bool:
-    """Whether a packed forward's cu_seq_lens stay in host memory: transformers' NPU varlen
-    attention turns them into a host tuple in every layer (a wait for the device per layer were
-    they on it); CUDA's flash_attn takes them on the device."""
-    return kind_of(device_type) == "npu"
+    return npu_flash_attn_varlen_func
 
 
 # --- FP8 matmuls -------------------------------------------------------------------------------

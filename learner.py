@@ -25,8 +25,9 @@ import dapo_loss
 import packing
 import rollout_correction
 import routing
+import throughput
 from config import Config, Derived, OptimConfig, UserError, uses_fsdp
-from device import ROLLOUT_COMPUTE_DTYPES, Platform, packed_attention, step_generator, varlen_bounds_on_host
+from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
 from metrics import log, warn
@@ -143,16 +144,28 @@ def prepare_policy(model: torch.nn.Module, cfg: Config) -> None:
         enable()
 
 
+def packed_kernel(model: torch.nn.Module) -> str:
+    """The attention kernel of a learner model whose forwards are packed (use_remove_padding): ours
+    (packing.VARLEN_ATTENTION); a model with a sliding window keeps its own, which finds the packed
+    sequences from their positions."""
+    if getattr(model.config, "sliding_window", None) is not None:
+        return model.config._attn_implementation
+    packing.register_varlen_attention()
+    return packing.VARLEN_ATTENTION
+
+
 def attention_mask_for(model: torch.nn.Module, valid: torch.Tensor) -> torch.Tensor:
     """The attention mask of a full-sequence forward over left-padded rows (``valid`` [N, L]).
 
-    For sdpa without a sliding window it is built here, on the device, as transformers builds it
+    For sdpa without a sliding window (and packing.VARLEN_ATTENTION, which is sdpa for padded rows) it
+    is built here, on the device, as transformers builds it
     ([N, 1, L, L] bool: query i sees keys j <= i that are real tokens; torch's attention gives a
     padding query that sees nothing a zero row), so the numbers do not change. Given the 2D mask,
     transformers first reads it on the host to decide whether it may drop it: one or two device
     syncs per forward. Other attention kernels get the 2D mask and build their own."""
     config = model.config
-    if config._attn_implementation != "sdpa" or getattr(config, "sliding_window", None) is not None:
+    sdpa = config._attn_implementation in ("sdpa", packing.VARLEN_ATTENTION)
+    if not sdpa or getattr(config, "sliding_window", None) is not None:
         return valid.long()
     length = valid.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
@@ -208,6 +221,9 @@ class Learner:
             # (device.bind_host_cores on NPU, launch.sh's torchrun --numa-binding on CUDA).
             torch.set_num_threads(len(os.sched_getaffinity(0)))
         self.optimizer = adamw(list(self.policy.parameters()), cfg.optim)
+        self.meter = throughput.PhaseMeter()
+        self.active_params = throughput.active_parameters(self.policy)
+        self.peak_tflops = throughput.peak_tflops(plat.device_name(), cfg.run.peak_tflops)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.writer = ckpt.BackgroundWriter(plat.bind)
@@ -231,9 +247,8 @@ class Learner:
         model = build_model(Path(self.cfg.model.model_path), self.plat.device, mesh,
                             learner_dtype=self.cfg.model.learner_dtype, offload=self.cfg.model.learner_offload,
                             dtype=dtype, frozen=frozen)
-        kernel = packed_attention(self.plat.device.type) if self.cfg.model.use_remove_padding else None
-        if kernel is not None:
-            model.set_attn_implementation(kernel)
+        if self.cfg.model.use_remove_padding:
+            model.set_attn_implementation(packed_kernel(model))
         if resume is None:
             fill_from_files(model, Path(self.cfg.model.model_path))
         else:
@@ -283,9 +298,14 @@ class Learner:
         ids = batch.routed_experts.to(self.plat.device)
         return routing.replaying(model, ids if packed is None else packed.pack_tokens(ids), measure=measure)
 
-    def packed(self, batch: SampleBatch) -> Optional[PackedRows]:
-        """``batch``'s rows packed for one padding-free forward (use_remove_padding), or None."""
-        return packing.pack(batch, self.plat.device) if self.cfg.model.use_remove_padding else None
+    def packed(self, batch: SampleBatch, phase: str) -> Optional[PackedRows]:
+        """``batch``'s rows packed for one padding-free forward (use_remove_padding), or None; the
+        tokens it computes, real and padding, counted for ``phase``."""
+        real = int(batch.prompt_mask.sum() + batch.response_mask.sum())
+        padded = batch.prompt_ids.numel() + batch.response_ids.numel()
+        packs = self.cfg.model.use_remove_padding
+        self.meter.count(phase, real, real if packs else padded)
+        return packing.pack(batch, self.plat.device) if packs else None
 
     def sequence_logprobs(self, model: torch.nn.Module, batch: SampleBatch, *, with_entropy: bool,
                           entropy_grad: bool = True, packed: Optional[PackedRows] = None,
@@ -309,7 +329,7 @@ class Learner:
         else:
             logits = model(input_ids=packed.ids, position_ids=packed.positions, use_cache=False,
                            logits_to_keep=packed.predicting,
-                           **packing.attention_inputs(model.config, packed, varlen_bounds_on_host(device.type))).logits
+                           **packing.attention_inputs(model.config, packed)).logits
             targets = packed.targets
         temperature = self.cfg.rollout.temperature
         logp = dapo_loss.token_logprobs(logits, targets, temperature)
@@ -354,7 +374,7 @@ class Learner:
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.plat.device)
         optim = self.cfg.optim
         for chunk, part in self.micro_batches(batch, rows, optim.log_prob_rows, optim.log_prob_token_budget, shares):
-            packed = self.packed(part)
+            packed = self.packed(part, "ref" if model is self.ref_model else "old_logp")
             with self.routed(model, part, packed, measure=routing_counts is not None) as replay:
                 logp, _ = self.sequence_logprobs(model, part, with_entropy=False, packed=packed)
             if replay is not None and routing_counts is not None:
@@ -375,6 +395,7 @@ class Learner:
         """
         cfg, learners, me = self.cfg, self.layout.num_learners, self.layout.learner_index
         self.policy.train()
+        self.meter.reset()
         mask = batch.response_mask
         shares = self.shares(torch.arange(mask.shape[0]))
         own = shares[me]  # the rows whose old log-probs this learner computes
@@ -400,11 +421,12 @@ class Learner:
         # the next forward is queued; reduce_metrics reads them once per step.
         sums = {key: torch.zeros((), device=self.plat.device) for key in LOSS_METRICS}
         grad_norms = []
-        for epoch in range(cfg.optim.ppo_epochs):
-            order = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step, epoch))
-            for minibatch in order.split(self.derived.minibatch_sequences * learners):
-                self.accumulate_minibatch(batch, per_row, minibatch, self.kl_coef_at(step), sums)
-                grad_norms.append(self.optimizer_step(step))
+        with self.meter.timed("update"):  # ends with the last optimizer step's read of the gradient norm
+            for epoch in range(cfg.optim.ppo_epochs):
+                order = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step, epoch))
+                for minibatch in order.split(self.derived.minibatch_sequences * learners):
+                    self.accumulate_minibatch(batch, per_row, minibatch, self.kl_coef_at(step), sums)
+                    grad_norms.append(self.optimizer_step(step))
         return {**self.reduce_metrics(sums, gaps, grad_norms, routing_counts, kl_coef=self.kl_coef_at(step),
                                       lr=self.lr_at(step)),
                 **correction.metrics}
@@ -414,10 +436,11 @@ class Learner:
         """[N, R] log-probs of every row under ``model``: each learner computes its own rows of
         ``shares`` and the learners exchange them (a sum with zeros elsewhere, so every value is
         exact), since any row may land on any learner in a mini-batch."""
-        logp = self.logprobs_of(model, batch, shares[self.layout.learner_index], routing_counts, shares)
-        if self.layout.num_learners > 1:
-            with phase("update"):
-                logp = all_reduce_tensor(logp, self.groups.learners, self.plat.device)
+        with self.meter.timed("ref" if model is self.ref_model else "old_logp"):
+            logp = self.logprobs_of(model, batch, shares[self.layout.learner_index], routing_counts, shares)
+            if self.layout.num_learners > 1:
+                with phase("update"):
+                    logp = all_reduce_tensor(logp, self.groups.learners, self.plat.device)
         return logp
 
     def accumulate_minibatch(self, batch: SampleBatch, per_row: StepTensors, minibatch: torch.Tensor,
@@ -437,7 +460,7 @@ class Learner:
             width = part.response_ids.shape[1]
             host_mask = per_row.loss_mask[chunk, :width]
             part_mask = host_mask.to(self.plat.device)
-            packed = self.packed(part)
+            packed = self.packed(part, "update")
             # Inside the replay block: the backward recomputes checkpointed layers, routed the same.
             with self.routed(self.policy, part, packed):
                 logp, entropy = self.sequence_logprobs(self.policy, part, with_entropy=True,
@@ -480,11 +503,13 @@ class Learner:
         # the step's one read of the metrics
         totals = torch.cat([torch.stack([sums[k] for k in keys]), routing_counts]).tolist()
         totals += [float(gap.sum()), float(gap.numel()), float(engine.sum()), float(engine.numel())]
+        totals += self.meter.counts()
         gap_max = float(gap.max()) if gap.numel() else 0.0
         if self.layout.num_learners > 1:
             with phase("update"):
                 totals = all_reduce_sum(totals, self.groups.learners, self.plat.device)
                 gap_max = all_reduce_max(gap_max, self.groups.learners, self.plat.device)
+        totals, tokens = totals[:-len(throughput.PHASES) * 2], totals[-len(throughput.PHASES) * 2:]
         count = len(grad_norms)
         result = {k: v / count for k, v in zip(keys, totals)}
         if self.ref_model is None:
@@ -494,6 +519,9 @@ class Learner:
                       mismatch_mean=gap_sum / max(gap_count, 1.0), mismatch_max=gap_max,
                       engine_mismatch_mean=engine_sum / engine_count if engine_count else None,
                       routing_mismatch=routing_differ / routing_decisions if routing_decisions else None)
+        result.update(throughput.phase_metrics(throughput.PhaseMeter.from_counts(tokens), self.meter.seconds,
+                                               active=self.active_params, learners=self.layout.num_learners,
+                                               peak=self.peak_tflops))
         return result
 
     def optimizer_step(self, step: int) -> float:

@@ -6,19 +6,15 @@ every sequence lie end to end in one row of T tokens, each sequence's positions 
 attention stays inside each sequence; the log-probs and entropies come back in the padded
 [rows, response width] layout, zero at padding, so the loss math (dapo_loss.py) is the same.
 
-How attention is kept inside each sequence is said explicitly, per attention kernel of
-transformers (the same in 5.5 and 5.19):
-- flash attention (transformers' ``flash_attention_2``, on NPU its torch_npu varlen fused
-  attention): ``cu_seq_lens_q/k`` and ``max_length_q/k``, where each sequence starts and ends;
-- sdpa: a [1, 1, T, T] bool mask, causal within each sequence, built on the device (a 4-D mask
-  is taken as it is);
-- any other (eager): no mask and positions that restart at 0, from which transformers' masking
-  finds the sequences itself (masking_utils.find_packed_sequence_indices, one host read).
+Attention is kept inside each sequence by an attention kernel of ours (VARLEN_ATTENTION) that
+the learner's models run when they pack, given each sequence's bounds; the same under
+transformers 5.5 and 5.19 (their attention interface, sdpa and NPU flash wrappers are alike).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -93,30 +89,60 @@ def pack(batch: SampleBatch, device: torch.device) -> PackedRows:
                       response_width=response_width)
 
 
-def is_flash(attn_implementation: str) -> bool:
-    """Whether transformers runs this attention through its flash-attention path, which takes the
-    sequences' bounds as cu_seq_lens (flash_attention_2/3, the kernels' flash variants): its own
-    test, a name with "flash" in it."""
-    from transformers.utils.generic import is_flash_attention_requested
+# Our attention kernel for packed forwards, registered with transformers under this name: each
+# sequence's span of the packed row attends causally to itself alone, the bounds handed over as
+# Python ints (``packed_bounds``), which FSDP2's root, moving every input tensor to the device,
+# leaves on the host. On NPU: torch_npu's fused attention in its varlen (TND) form, through
+# transformers' own wrapper (device.npu_varlen_attention), bounds from the host (as a tensor on the
+# device they would be read back twice a layer). Elsewhere torch's sdpa a span at a time: one
+# [T, T] mask over the packed row would cost (sum of lengths)^2 where the spans cost the sum of
+# squared lengths (at 4 rows of 4096, 4x the work). Padded forwards (no bounds) are transformers' sdpa.
+VARLEN_ATTENTION = "packed_varlen"
 
-    return is_flash_attention_requested(requested_attention_implementation=attn_implementation)
+
+def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface ([1, heads, T, head_dim] in, [1, T, heads, head_dim] out)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from device import npu_varlen_attention
+
+    bounds = kwargs.pop("packed_bounds", None)
+    if bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    dropout = dropout if module.training else 0.0
+    fused = npu_varlen_attention(query.device.type)
+    if fused is not None:
+        tnd = [t[0].transpose(0, 1) for t in (query, key, value)]  # [T, heads, head_dim]
+        edges = torch.tensor(bounds, dtype=torch.int64)  # host memory: the kernel takes the lengths there
+        out = fused(*tnd, edges, edges, dropout_p=dropout, softmax_scale=scaling, causal=True)
+        return out[None], None
+    spans = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop], is_causal=True, scale=scaling,
+        dropout_p=dropout, enable_gqa=key.shape[1] != query.shape[1])
+        for start, stop in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(spans, dim=2).transpose(1, 2).contiguous(), None
 
 
-def attention_inputs(config: Any, packed: PackedRows, bounds_on_host: bool) -> dict[str, Any]:
-    """The keyword arguments that confine a packed forward's attention to each sequence, for the
-    attention kernel ``config`` names (module docstring). ``bounds_on_host``: the flash kernel
-    reads cu_seq_lens on the host (torch_npu's), so they stay there instead of a copy back per layer."""
-    implementation = config._attn_implementation
-    if is_flash(implementation):
-        device = "cpu" if bounds_on_host else packed.ids.device
-        bounds = torch.tensor([0, *packed.lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-        longest = max(packed.lengths)
-        return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
-    if implementation == "sdpa" and getattr(config, "sliding_window", None) is None:
-        total = packed.sequence.shape[0]
-        causal = torch.ones(total, total, dtype=torch.bool, device=packed.sequence.device).tril()
-        return {"attention_mask": (causal & (packed.sequence[:, None] == packed.sequence[None, :]))[None, None]}
-    return {}
+def register_varlen_attention() -> None:
+    """Make VARLEN_ATTENTION a name transformers' models take (set_attn_implementation). No mask
+    function goes with it: a packed forward then gets none (and transformers reads no device value
+    looking for packed sequences); a padded one brings its own 4-D mask (learner.attention_mask_for)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+
+
+def attention_inputs(config: Any, packed: PackedRows) -> dict[str, Any]:
+    """The keyword arguments that confine a packed forward's attention to each sequence: the
+    sequences' bounds for our kernel; for any other (eager, sdpa) none, and transformers finds the
+    sequences from the positions that restart at 0 (masking_utils.find_packed_sequence_indices:
+    one host read and a [T, T] mask)."""
+    if config._attn_implementation != VARLEN_ATTENTION:
+        return {}
+    return {"packed_bounds": tuple(itertools.accumulate(packed.lengths, initial=0))}
 
 
 def fill_by_tokens(tokens: torch.Tensor, rows: torch.Tensor, shares: list[torch.Tensor], budget: int) -> list[torch.Tensor]:

@@ -355,6 +355,10 @@ class Learner:
             chunks = packing.fill_by_tokens(tokens, rows, shares or [rows], budget)
         return [(chunk, batch.select_rows(chunk).trimmed()) for chunk in chunks]
 
+    def phase_of(self, model: torch.nn.Module) -> str:
+        """The throughput phase (throughput.PHASES) of a no-grad forward of ``model``."""
+        return "ref" if model is self.ref_model else "old_logp"
+
     def shares(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """Each learner's rows of ``rows``, dealt out in turn."""
         learners = self.layout.num_learners
@@ -374,7 +378,7 @@ class Learner:
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.plat.device)
         optim = self.cfg.optim
         for chunk, part in self.micro_batches(batch, rows, optim.log_prob_rows, optim.log_prob_token_budget, shares):
-            packed = self.packed(part, "ref" if model is self.ref_model else "old_logp")
+            packed = self.packed(part, self.phase_of(model))
             with self.routed(model, part, packed, measure=routing_counts is not None) as replay:
                 logp, _ = self.sequence_logprobs(model, part, with_entropy=False, packed=packed)
             if replay is not None and routing_counts is not None:
@@ -436,7 +440,7 @@ class Learner:
         """[N, R] log-probs of every row under ``model``: each learner computes its own rows of
         ``shares`` and the learners exchange them (a sum with zeros elsewhere, so every value is
         exact), since any row may land on any learner in a mini-batch."""
-        with self.meter.timed("ref" if model is self.ref_model else "old_logp"):
+        with self.meter.timed(self.phase_of(model)):
             logp = self.logprobs_of(model, batch, shares[self.layout.learner_index], routing_counts, shares)
             if self.layout.num_learners > 1:
                 with phase("update"):

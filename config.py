@@ -44,6 +44,8 @@ class ModelConfig:
     learner_dtype: Literal["fp32", "bf16"] = "bf16"
     gradient_checkpointing: bool = False
     learner_offload: bool = False  # FSDP2 keeps parameters, gradients and AdamW state in host memory
+    # verl's name: the learner's forwards run on each micro-batch's real tokens packed into one row
+    use_remove_padding: bool = True
     eos_token_ids: list[int] = field(default_factory=list)  # stop ids on top of the tokenizer's EOS
 
 
@@ -126,11 +128,28 @@ class OptimConfig:
     # Sequences per forward of the no-grad log-probs (old log-probs, the KL reference), as verl's
     # log_prob_micro_batch_size: without a graph to keep they can take more rows than training.
     log_prob_batch_size: Optional[int] = None  # None = per_device_batch_size
+    # verl's names: micro-batches filled by real tokens (prompt + response) up to a budget per
+    # learner rank instead of a number of rows; the mini-batches, and so the optimizer steps, stay.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # None = ppo_max_token_len_per_gpu
 
     @property
     def log_prob_rows(self) -> int:
         """Sequences per no-grad log-prob forward on a learner rank."""
         return self.log_prob_batch_size or self.per_device_batch_size
+
+    @property
+    def update_token_budget(self) -> Optional[int]:
+        """Real tokens per training micro-batch on a learner rank; None: per_device_batch_size rows."""
+        return self.ppo_max_token_len_per_gpu if self.use_dynamic_bsz else None
+
+    @property
+    def log_prob_token_budget(self) -> Optional[int]:
+        """Real tokens per no-grad log-prob forward on a learner rank; None: log_prob_rows rows."""
+        if not self.use_dynamic_bsz:
+            return None
+        return self.log_prob_max_token_len_per_gpu or self.ppo_max_token_len_per_gpu
 
 
 @dataclass(frozen=True)
@@ -161,6 +180,7 @@ class RunConfig:
     disk_gb: Optional[float] = None  # GiB free for checkpoints under output_dir; default: what the filesystem has
     disk_write_gb_per_s: float = 1.0  # GiB/s a node's learners write checkpoints at, for the plan's save times
     weight_sync_bucket_mb: int = 256
+    peak_tflops: Optional[float] = None  # the device's dense bf16 peak for the MFU columns; None: by its name
     length_alarm_steps: int = 20
     overfit_alarm_checks: int = 3
 
@@ -421,6 +441,9 @@ def validate(cfg: Config) -> None:
         (cfg.optim.ppo_epochs >= 1, "ppo_epochs must be >= 1"),
         (cfg.optim.log_prob_batch_size is None or cfg.optim.log_prob_batch_size >= 1,
          "log_prob_batch_size must be >= 1 (null = per_device_batch_size)"),
+        (cfg.optim.ppo_max_token_len_per_gpu >= 1, "ppo_max_token_len_per_gpu must be >= 1"),
+        (cfg.optim.log_prob_max_token_len_per_gpu is None or cfg.optim.log_prob_max_token_len_per_gpu >= 1,
+         "log_prob_max_token_len_per_gpu must be >= 1 (null = ppo_max_token_len_per_gpu)"),
         (cfg.run.max_steps >= 1, "max_steps must be >= 1"),
         (cfg.run.learner_ranks >= 1, "learner_ranks must be >= 1"),
         (cfg.run.max_staleness in (0, 1), "max_staleness must be 0 or 1"),
@@ -436,6 +459,7 @@ def validate(cfg: Config) -> None:
          f"report_to none means no reporter but the console and metrics.csv: give it alone, got {cfg.run.report_to}"),
         (cfg.run.dist_timeout_s > 0, "dist_timeout_s must be > 0"),
         (cfg.run.disk_write_gb_per_s > 0, "disk_write_gb_per_s must be > 0"),
+        (cfg.run.peak_tflops is None or cfg.run.peak_tflops > 0, "peak_tflops must be > 0 (null = by the device's name)"),
         (all(gb is None or gb > 0 for gb in (cfg.run.device_memory_gb, cfg.run.host_memory_gb, cfg.run.disk_gb)),
          "device_memory_gb, host_memory_gb and disk_gb must be > 0 (null = what the machine reports)"),
         (not (cfg.model.reward_model and cfg.rollout.dynamic_sampling_metric == "acc"),
@@ -688,6 +712,9 @@ KEY_HELP: dict[str, str] = {
     "learner_dtype": "learner compute dtype (bf16: FSDP2 mixed precision over fp32 master weights)",
     "gradient_checkpointing": "recompute activations in the backward pass",
     "learner_offload": "keep the learners' parameters, gradients and AdamW state in host memory (needs torchrun)",
+    "use_remove_padding": "the learner's forwards (old log-probs, reference, update) compute each micro-batch's real "
+                          "tokens packed into one row, attention kept inside each sequence; false: rows padded to "
+                          "the micro-batch's longest",
     "eos_token_ids": "stop token ids besides the tokenizer's EOS, e.g. [151645, 151643] for Qwen3",
     # data
     "dataset": "training prompts: JSONL, JSON or Parquet",
@@ -746,6 +773,13 @@ KEY_HELP: dict[str, str] = {
     "ppo_epochs": "passes over a step's samples",
     "log_prob_batch_size": "sequences per no-grad forward of the old and reference log-probs on a learner rank "
                            "(null = per_device_batch_size)",
+    "use_dynamic_bsz": "micro-batches filled by real tokens up to ppo_max_token_len_per_gpu (the forwards of "
+                       "log-probs: log_prob_max_token_len_per_gpu) instead of per_device_batch_size rows; the "
+                       "mini-batches stay; a longer row is a micro-batch of its own",
+    "ppo_max_token_len_per_gpu": "with use_dynamic_bsz: real tokens (prompt + response) per training micro-batch "
+                                 "on a learner rank (--plan says which fits)",
+    "log_prob_max_token_len_per_gpu": "with use_dynamic_bsz: real tokens per no-grad forward of the old and "
+                                      "reference log-probs (null = ppo_max_token_len_per_gpu)",
     # run
     "config": "YAML file of settings (keys at the top level or under their section)",
     "device": "auto picks npu, then cuda, then cpu; a device named but absent is refused",
@@ -773,6 +807,8 @@ KEY_HELP: dict[str, str] = {
     "disk_write_gb_per_s": "GiB/s a node writes checkpoints at, for the memory plan's time per save of each async_save "
                            "mode (1.0: a conservative share of a local NVMe or a shared filesystem)",
     "weight_sync_bucket_mb": "size of the buckets weights are broadcast in, MB",
+    "peak_tflops": "a learner device's dense bf16 peak TFLOPS, for the MFU columns (null: from the device's name, "
+                   "Ascend 910B/C and NVIDIA data-center GPUs; none on a CPU)",
     "length_alarm_steps": "steps of rising response length that fire alarm_length_rising",
     "overfit_alarm_checks": "validations of falling val reward and rising train reward that fire alarm_overfit",
 }

@@ -55,6 +55,11 @@ class Platform:
         """torch.cuda / torch.npu; None on CPU."""
         return None if self.kind == "cpu" else getattr(torch, self.kind)
 
+    def device_name(self) -> Optional[str]:
+        """The name the accelerator reports (e.g. "NVIDIA H200", "Ascend910B3"); None on the CPU."""
+        get_name = getattr(self.module, "get_device_name", None)
+        return get_name(self.local_rank) if get_name is not None else None
+
     def learner_backend(self, offload: bool) -> str:
         """The learners' group backend: with offload, collectives on host tensors (gradient
         clipping's norm over offloaded gradients) go to gloo, the rest to the device's backend,
@@ -177,6 +182,17 @@ def attention_mask_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype of an attention mask over ``dtype`` scores on a ``device_type`` device: bool
     (True: attend) where the platform takes no other, else ``dtype`` (0 or -inf, added)."""
     return torch.bool if kind_of(device_type) in BOOL_ATTENTION_MASKS else dtype
+
+
+def npu_varlen_attention(device_type: str) -> Optional[Any]:
+    """On NPU with torch_npu: transformers' wrapper of torch_npu's fused attention in its varlen
+    (TND) form, (q, k, v, cu_seqlens_q, cu_seqlens_k, ...) -> out, which reads the bounds on the
+    host; None elsewhere (packing.varlen_attention then runs sdpa a sequence at a time)."""
+    if kind_of(device_type) != "npu" or _import_torch_npu() is None:
+        return None
+    from transformers.integrations.npu_flash_attention import npu_flash_attn_varlen_func
+
+    return npu_flash_attn_varlen_func
 
 
 # --- FP8 matmuls -------------------------------------------------------------------------------

@@ -22,13 +22,16 @@ import torch.distributed as dist
 
 import ckpt
 import dapo_loss
+import packing
 import rollout_correction
 import routing
+import throughput
 from config import Config, Derived, OptimConfig, UserError, uses_fsdp
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
 from metrics import log, warn
+from packing import PackedRows
 from ranks import (Groups, Layout, all_reduce_max, all_reduce_sum, all_reduce_tensor, gather_json, phase,
                    wait_for_group)
 from samples import SampleBatch
@@ -141,16 +144,28 @@ def prepare_policy(model: torch.nn.Module, cfg: Config) -> None:
         enable()
 
 
+def packed_kernel(model: torch.nn.Module) -> str:
+    """The attention kernel of a learner model whose forwards are packed (use_remove_padding): ours
+    (packing.VARLEN_ATTENTION); a model with a sliding window keeps its own, which finds the packed
+    sequences from their positions."""
+    if getattr(model.config, "sliding_window", None) is not None:
+        return model.config._attn_implementation
+    packing.register_varlen_attention()
+    return packing.VARLEN_ATTENTION
+
+
 def attention_mask_for(model: torch.nn.Module, valid: torch.Tensor) -> torch.Tensor:
     """The attention mask of a full-sequence forward over left-padded rows (``valid`` [N, L]).
 
-    For sdpa without a sliding window it is built here, on the device, as transformers builds it
+    For sdpa without a sliding window (and packing.VARLEN_ATTENTION, which is sdpa for padded rows) it
+    is built here, on the device, as transformers builds it
     ([N, 1, L, L] bool: query i sees keys j <= i that are real tokens; torch's attention gives a
     padding query that sees nothing a zero row), so the numbers do not change. Given the 2D mask,
     transformers first reads it on the host to decide whether it may drop it: one or two device
     syncs per forward. Other attention kernels get the 2D mask and build their own."""
     config = model.config
-    if config._attn_implementation != "sdpa" or getattr(config, "sliding_window", None) is not None:
+    sdpa = config._attn_implementation in ("sdpa", packing.VARLEN_ATTENTION)
+    if not sdpa or getattr(config, "sliding_window", None) is not None:
         return valid.long()
     length = valid.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=valid.device).tril()
@@ -206,6 +221,9 @@ class Learner:
             # (device.bind_host_cores on NPU, launch.sh's torchrun --numa-binding on CUDA).
             torch.set_num_threads(len(os.sched_getaffinity(0)))
         self.optimizer = adamw(list(self.policy.parameters()), cfg.optim)
+        self.meter = throughput.PhaseMeter()
+        self.active_params = throughput.active_parameters(self.policy)
+        self.peak_tflops = throughput.peak_tflops(plat.device_name(), cfg.run.peak_tflops)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.writer = ckpt.BackgroundWriter(plat.bind)
@@ -229,6 +247,8 @@ class Learner:
         model = build_model(Path(self.cfg.model.model_path), self.plat.device, mesh,
                             learner_dtype=self.cfg.model.learner_dtype, offload=self.cfg.model.learner_offload,
                             dtype=dtype, frozen=frozen)
+        if self.cfg.model.use_remove_padding:
+            model.set_attn_implementation(packed_kernel(model))
         if resume is None:
             fill_from_files(model, Path(self.cfg.model.model_path))
         else:
@@ -268,56 +288,102 @@ class Learner:
 
     # ----- log-probs ----------------------------------------------------------------------------
 
-    def routed(self, model: torch.nn.Module, batch: SampleBatch, *, measure: bool = False) -> Any:
-        """The block in which ``model``'s forwards over ``batch`` take the recorded experts
-        (routing_replay; routing.replaying), or do nothing."""
+    def routed(self, model: torch.nn.Module, batch: SampleBatch, packed: Optional[PackedRows] = None, *,
+               measure: bool = False) -> Any:
+        """The block in which ``model``'s forwards over ``batch`` (``packed``, when given) take the
+        recorded experts (routing_replay; routing.replaying), or do nothing."""
         if not self.cfg.algo.routing_replay:
             return routing.replaying(model, None)
         assert batch.routed_experts is not None, "routing_replay: samples reached the learner without their expert ids"
-        return routing.replaying(model, batch.routed_experts.to(self.plat.device), measure=measure)
+        ids = batch.routed_experts.to(self.plat.device)
+        return routing.replaying(model, ids if packed is None else packed.pack_tokens(ids), measure=measure)
+
+    def packed(self, batch: SampleBatch, phase: str) -> Optional[PackedRows]:
+        """``batch``'s rows packed for one padding-free forward (use_remove_padding), or None; the
+        tokens it computes, real and padding, counted for ``phase``."""
+        real = int(batch.prompt_mask.sum() + batch.response_mask.sum())
+        padded = batch.prompt_ids.numel() + batch.response_ids.numel()
+        packs = self.cfg.model.use_remove_padding
+        self.meter.count(phase, real, real if packs else padded)
+        return packing.pack(batch, self.plat.device) if packs else None
 
     def sequence_logprobs(self, model: torch.nn.Module, batch: SampleBatch, *, with_entropy: bool,
-                          entropy_grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Log-probs (and entropy) of the response tokens under ``model``, temperature-scaled.
-        Without ``entropy_grad`` the entropy is a metric only: no graph over the full vocabulary.
-        With routing replay, call it inside :meth:`routed`."""
+                          entropy_grad: bool = True, packed: Optional[PackedRows] = None,
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-probs (and entropy) of the response tokens under ``model``, temperature-scaled, in
+        ``batch``'s padded [rows, response width] layout: from one forward over the padded rows,
+        or over the rows ``packed`` (zero at padding). Without ``entropy_grad`` the entropy is a
+        metric only: no graph over the full vocabulary. With routing replay, call it inside
+        :meth:`routed`."""
         device = self.plat.device
-        ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)
-        attention = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)
-        positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
-        width = batch.response_ids.shape[1]
-        logits = model(input_ids=ids, attention_mask=attention_mask_for(model, attention), position_ids=positions,
-                       use_cache=False, logits_to_keep=width + 1).logits
-        # One contiguous copy that the log-prob and entropy kernels both view (and save for
-        # backward), instead of one copy each of a strided slice.
-        logits = logits[:, :-1].contiguous()
+        if packed is None:
+            ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)
+            attention = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)
+            positions = (attention.long().cumsum(-1) - 1).clamp(min=0)
+            width = batch.response_ids.shape[1]
+            logits = model(input_ids=ids, attention_mask=attention_mask_for(model, attention), position_ids=positions,
+                           use_cache=False, logits_to_keep=width + 1).logits
+            # One contiguous copy that the log-prob and entropy kernels both view (and save for
+            # backward), instead of one copy each of a strided slice.
+            logits, targets = logits[:, :-1].contiguous(), batch.response_ids.to(device)
+        else:
+            logits = model(input_ids=packed.ids, position_ids=packed.positions, use_cache=False,
+                           logits_to_keep=packed.predicting,
+                           **packing.attention_inputs(model.config, packed)).logits
+            targets = packed.targets
         temperature = self.cfg.rollout.temperature
-        logp = dapo_loss.token_logprobs(logits, batch.response_ids.to(device), temperature)
+        logp = dapo_loss.token_logprobs(logits, targets, temperature)
         entropy = None
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy = dapo_loss.entropy_from_logits(logits, temperature)
+        if packed is not None:
+            logp = packed.unpack_responses(logp)
+            entropy = None if entropy is None else packed.unpack_responses(entropy)
         return logp, entropy
 
-    @staticmethod
-    def micro_batches(batch: SampleBatch, rows: torch.Tensor, size: int) -> list[tuple[torch.Tensor, SampleBatch]]:
-        """Cut ``rows`` into pieces of ``size`` rows, each trimmed to its own widths."""
-        return [(chunk, batch.select_rows(chunk).trimmed()) for chunk in rows.split(size)]
+    def micro_batches(self, batch: SampleBatch, rows: torch.Tensor, size: int, budget: Optional[int] = None,
+                      shares: Optional[list[torch.Tensor]] = None) -> list[tuple[torch.Tensor, SampleBatch]]:
+        """``rows`` (this learner's) cut into micro-batches, each trimmed to its own widths: ``size``
+        rows each, or, given a token ``budget`` (use_dynamic_bsz), filled by real tokens, in as many
+        micro-batches as the fullest of ``shares`` (every learner's rows; default ``rows`` alone)
+        needs (packing.fill_by_tokens)."""
+        if budget is None:
+            chunks = list(rows.split(size))
+        else:
+            tokens = batch.prompt_mask.sum(1) + batch.response_mask.sum(1)
+            chunks = packing.fill_by_tokens(tokens, rows, shares or [rows], budget)
+        return [(chunk, batch.select_rows(chunk).trimmed()) for chunk in chunks]
+
+    def phase_of(self, model: torch.nn.Module) -> str:
+        """The throughput phase (throughput.PHASES) of a no-grad forward of ``model``."""
+        return "ref" if model is self.ref_model else "old_logp"
+
+    def shares(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Each learner's rows of ``rows``, dealt out in turn."""
+        learners = self.layout.num_learners
+        return [rows[index::learners] for index in range(learners)]
 
     @torch.no_grad()
     def logprobs_of(self, model: torch.nn.Module, batch: SampleBatch, rows: torch.Tensor,
-                    routing_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    routing_counts: Optional[torch.Tensor] = None,
+                    shares: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
         """[N, R] log-probs on the host, filled in for ``rows`` only, computed in forwards of
-        log_prob_batch_size rows into one device buffer that is read once. With routing replay and
+        log_prob_batch_size rows (or of log_prob_max_token_len_per_gpu tokens, with use_dynamic_bsz:
+        as many forwards as the fullest of every learner's ``shares`` needs) into one device buffer
+        that is read once. With routing replay and
         ``routing_counts`` (a [2] device tensor), the forwards add to it how many routing
         decisions for the response tokens were, by the learner's own router, other experts
         than the recorded ones, and how many there were (routing.response_disagreement)."""
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=self.plat.device)
-        for chunk, part in self.micro_batches(batch, rows, self.cfg.optim.log_prob_rows):
-            with self.routed(model, part, measure=routing_counts is not None) as replay:
-                logp, _ = self.sequence_logprobs(model, part, with_entropy=False)
+        optim = self.cfg.optim
+        for chunk, part in self.micro_batches(batch, rows, optim.log_prob_rows, optim.log_prob_token_budget, shares):
+            packed = self.packed(part, self.phase_of(model))
+            with self.routed(model, part, packed, measure=routing_counts is not None) as replay:
+                logp, _ = self.sequence_logprobs(model, part, with_entropy=False, packed=packed)
             if replay is not None and routing_counts is not None:
-                routing_counts += routing.response_disagreement(replay.differs, part.response_mask.to(self.plat.device))
+                differs = replay.differs if packed is None else packed.unpack_tokens(replay.differs)
+                routing_counts += routing.response_disagreement(differs, part.response_mask.to(self.plat.device))
             out[chunk, : logp.shape[1]] = logp.float()
         return out.cpu()
 
@@ -333,11 +399,13 @@ class Learner:
         """
         cfg, learners, me = self.cfg, self.layout.num_learners, self.layout.learner_index
         self.policy.train()
+        self.meter.reset()
         mask = batch.response_mask
-        own = torch.arange(me, mask.shape[0], learners)  # the rows whose old log-probs this learner computes
+        shares = self.shares(torch.arange(mask.shape[0]))
+        own = shares[me]  # the rows whose old log-probs this learner computes
         routing_counts = torch.zeros(2, device=self.plat.device)
-        old_logp = self.shared_logprobs(self.policy, batch, own, routing_counts)
-        ref_logp = self.shared_logprobs(self.ref_model, batch, own) if self.ref_model is not None else None
+        old_logp = self.shared_logprobs(self.policy, batch, shares, routing_counts)
+        ref_logp = self.shared_logprobs(self.ref_model, batch, shares) if self.ref_model is not None else None
         gap = (old_logp - batch.rollout_logp).abs()[own]
         # The samples generated by the very weights the learner holds: their gap is the engine's
         # own error (rollout dtype, FP8, kernels), without the drift of one or more updates.
@@ -357,24 +425,26 @@ class Learner:
         # the next forward is queued; reduce_metrics reads them once per step.
         sums = {key: torch.zeros((), device=self.plat.device) for key in LOSS_METRICS}
         grad_norms = []
-        for epoch in range(cfg.optim.ppo_epochs):
-            order = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step, epoch))
-            for minibatch in order.split(self.derived.minibatch_sequences * learners):
-                self.accumulate_minibatch(batch, per_row, minibatch, self.kl_coef_at(step), sums)
-                grad_norms.append(self.optimizer_step(step))
+        with self.meter.timed("update"):  # ends with the last optimizer step's read of the gradient norm
+            for epoch in range(cfg.optim.ppo_epochs):
+                order = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step, epoch))
+                for minibatch in order.split(self.derived.minibatch_sequences * learners):
+                    self.accumulate_minibatch(batch, per_row, minibatch, self.kl_coef_at(step), sums)
+                    grad_norms.append(self.optimizer_step(step))
         return {**self.reduce_metrics(sums, gaps, grad_norms, routing_counts, kl_coef=self.kl_coef_at(step),
                                       lr=self.lr_at(step)),
                 **correction.metrics}
 
-    def shared_logprobs(self, model: torch.nn.Module, batch: SampleBatch, own: torch.Tensor,
+    def shared_logprobs(self, model: torch.nn.Module, batch: SampleBatch, shares: list[torch.Tensor],
                         routing_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[N, R] log-probs of every row under ``model``: each learner computes its ``own`` rows
-        and the learners exchange them (a sum with zeros elsewhere, so every value is exact), since
-        any row may land on any learner in a mini-batch."""
-        logp = self.logprobs_of(model, batch, own, routing_counts)
-        if self.layout.num_learners > 1:
-            with phase("update"):
-                logp = all_reduce_tensor(logp, self.groups.learners, self.plat.device)
+        """[N, R] log-probs of every row under ``model``: each learner computes its own rows of
+        ``shares`` and the learners exchange them (a sum with zeros elsewhere, so every value is
+        exact), since any row may land on any learner in a mini-batch."""
+        with self.meter.timed(self.phase_of(model)):
+            logp = self.logprobs_of(model, batch, shares[self.layout.learner_index], routing_counts, shares)
+            if self.layout.num_learners > 1:
+                with phase("update"):
+                    logp = all_reduce_tensor(logp, self.groups.learners, self.plat.device)
         return logp
 
     def accumulate_minibatch(self, batch: SampleBatch, per_row: StepTensors, minibatch: torch.Tensor,
@@ -382,20 +452,23 @@ class Learner:
         """Backward over this learner's rows of one mini-batch (``minibatch``: every learner's rows),
         adding its metrics into ``sums`` on the device."""
         algo, learners = self.cfg.algo, self.layout.num_learners
-        rows = minibatch[self.layout.learner_index::learners]
+        shares = self.shares(minibatch)
         # As in verl, rejected tokens leave the token-mean's denominator (it counts the loss mask),
         # while the sequence means still count every row. At least 1: a mini-batch whose every
         # token was rejected adds a loss of 0.
         tokens = max(int(per_row.loss_mask[minibatch].sum()), 1)
         normalizer = tokens if algo.loss_agg_mode == "token-mean" else len(minibatch)
-        for chunk, part in self.micro_batches(batch, rows, self.cfg.optim.per_device_batch_size):
+        optim = self.cfg.optim
+        for chunk, part in self.micro_batches(batch, shares[self.layout.learner_index], optim.per_device_batch_size,
+                                              optim.update_token_budget, shares):
             width = part.response_ids.shape[1]
             host_mask = per_row.loss_mask[chunk, :width]
             part_mask = host_mask.to(self.plat.device)
+            packed = self.packed(part, "update")
             # Inside the replay block: the backward recomputes checkpointed layers, routed the same.
-            with self.routed(self.policy, part):
+            with self.routed(self.policy, part, packed):
                 logp, entropy = self.sequence_logprobs(self.policy, part, with_entropy=True,
-                                                       entropy_grad=algo.entropy_coeff != 0)
+                                                       entropy_grad=algo.entropy_coeff != 0, packed=packed)
                 on_device = lambda t: t[chunk, :width].to(self.plat.device) if t is not None else None  # noqa: E731
                 pg_loss, pg_metrics = dapo_loss.policy_loss(
                     logp, on_device(per_row.old_logp), per_row.advantages[chunk].to(self.plat.device), part_mask,
@@ -434,11 +507,13 @@ class Learner:
         # the step's one read of the metrics
         totals = torch.cat([torch.stack([sums[k] for k in keys]), routing_counts]).tolist()
         totals += [float(gap.sum()), float(gap.numel()), float(engine.sum()), float(engine.numel())]
+        totals += self.meter.counts()
         gap_max = float(gap.max()) if gap.numel() else 0.0
         if self.layout.num_learners > 1:
             with phase("update"):
                 totals = all_reduce_sum(totals, self.groups.learners, self.plat.device)
                 gap_max = all_reduce_max(gap_max, self.groups.learners, self.plat.device)
+        totals, tokens = totals[:-len(throughput.PHASES) * 2], totals[-len(throughput.PHASES) * 2:]
         count = len(grad_norms)
         result = {k: v / count for k, v in zip(keys, totals)}
         if self.ref_model is None:
@@ -448,6 +523,9 @@ class Learner:
                       mismatch_mean=gap_sum / max(gap_count, 1.0), mismatch_max=gap_max,
                       engine_mismatch_mean=engine_sum / engine_count if engine_count else None,
                       routing_mismatch=routing_differ / routing_decisions if routing_decisions else None)
+        result.update(throughput.phase_metrics(throughput.PhaseMeter.from_counts(tokens), self.meter.seconds,
+                                               active=self.active_params, learners=self.layout.num_learners,
+                                               peak=self.peak_tflops))
         return result
 
     def optimizer_step(self, step: int) -> float:

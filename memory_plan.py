@@ -225,28 +225,7 @@ def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_refe
     params = 4 * shard + reference
     grads, optimizer = 4 * shard, 8 * shard  # fp32 gradients, AdamW's two fp32 moments
     compute = 2 if cfg.model.learner_dtype == "bf16" else 4
-    sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-    tokens = cfg.optim.per_device_batch_size * sequence
-    saved_layers = 1 if cfg.model.gradient_checkpointing else arch.layers
-    layer_inputs = tokens * arch.hidden * compute * arch.layers if cfg.model.gradient_checkpointing else 0
-    response_tokens = cfg.optim.per_device_batch_size * cfg.rollout.max_response_length
-    gathered_layers = 2 * 4 * arch.largest_layer_params  # FSDP2's gathered layer and the next, prefetched
-    # Where the router's weights are float32 (transformers 5.5.4), one layer's backward holds
-    # three float32 routed outputs, and each saved layer keeps float32 weights.
-    routed_fp32 = tokens * (arch.routed_in_fp32(compute, outputs=3)
-                            + (saved_layers - 1) * arch.routed_in_fp32(compute, outputs=0))
-    training = (tokens * arch.saved_per_token_layer(compute) * saved_layers + layer_inputs
-                + 2 * response_tokens * arch.vocab * compute  # the logits and their gradient
-                + gathered_layers + routed_fp32)
-    # The no-grad forwards of the old and reference log-probs keep no graph: one layer's working
-    # set and the logits (and their trimmed copy) of log_prob_rows sequences at a time, at most
-    # the learner's share of the step.
-    log_prob_rows = min(cfg.optim.log_prob_rows, math.ceil(derived.sequences_per_step / derived.num_learner_ranks))
-    log_prob_forward = (log_prob_rows * sequence * (arch.saved_per_token_layer(compute)
-                                                    + arch.routed_in_fp32(compute, outputs=2))
-                        + 2 * log_prob_rows * cfg.rollout.max_response_length * arch.vocab * compute
-                        + gathered_layers)
-    activations = max(training, log_prob_forward)
+    activations = learner_activations(cfg, derived, arch, compute)["activations"]
     # AdamW (foreach) holds one fp32 temporary the size of a shard while it steps; activations are
     # gone by then, so the peak is the larger of the two on top of what persists.
     state, step = {"params": params, "grads": grads, "optimizer": optimizer}, 4 * shard
@@ -261,6 +240,71 @@ def learner_rank(cfg: Config, derived: Derived, arch: Architecture, *, with_refe
         host["routing_ids"] = routed["sample_buffer"]
     host["total"] = sum(host.values())
     return {"device": device, "host": host}
+
+
+def micro_batch_tokens(cfg: Config, derived: Derived) -> dict[str, int]:
+    """The most tokens a learner's forward computes, and the most whose logits it keeps: a
+    training micro-batch's, and a no-grad forward's of the old and reference log-probs (at most
+    the learner's share of the step). By rows: that many full-length sequences (packed or padded,
+    the longest case), logits for each row's response. By a token budget (use_dynamic_bsz): the
+    budget, or one full-length sequence where that is longer (a longer row runs alone), and
+    logits for at most every one of those tokens."""
+    optim, prompt, response = cfg.optim, cfg.data.max_prompt_length, cfg.rollout.max_response_length
+    sequence, share = prompt + response, math.ceil(derived.sequences_per_step / derived.num_learner_ranks)
+
+    def by_rows(rows: int) -> tuple[int, int]:
+        return rows * sequence, rows * response
+
+    def by_tokens(budget: int) -> tuple[int, int]:
+        tokens = min(max(budget, sequence), share * sequence)
+        return tokens, tokens
+
+    training = by_tokens(optim.update_token_budget) if optim.use_dynamic_bsz else by_rows(optim.per_device_batch_size)
+    log_prob = by_tokens(optim.log_prob_token_budget) if optim.use_dynamic_bsz else \
+        by_rows(min(optim.log_prob_rows, share))
+    return {"tokens": training[0], "logit_tokens": training[1],
+            "log_prob_tokens": log_prob[0], "log_prob_logit_tokens": log_prob[1]}
+
+
+def learner_activations(cfg: Config, derived: Derived, arch: Architecture, compute: int) -> dict[str, int]:
+    """A learner rank's activation bytes at its peak (a training micro-batch's forward and
+    backward, or a no-grad log-prob forward's), what each training token adds
+    (``per_token``: its saved activations, its logits and their gradient) and what does not grow
+    with tokens (``fixed``: FSDP2's gathered layers)."""
+    sizes = micro_batch_tokens(cfg, derived)
+    saved_layers = 1 if cfg.model.gradient_checkpointing else arch.layers
+    # Where the router's weights are float32 (transformers 5.5.4), one layer's backward holds
+    # three float32 routed outputs, and each saved layer keeps float32 weights.
+    routed_fp32 = arch.routed_in_fp32(compute, outputs=3) + (saved_layers - 1) * arch.routed_in_fp32(compute, outputs=0)
+    per_token = (arch.saved_per_token_layer(compute) * saved_layers + routed_fp32
+                 + (arch.hidden * compute * arch.layers if cfg.model.gradient_checkpointing else 0))
+    per_logit = 2 * arch.vocab * compute  # the logits and their gradient (no-grad: their trimmed copy)
+    fixed = 2 * 4 * arch.largest_layer_params  # FSDP2's gathered layer and the next, prefetched
+    training = sizes["tokens"] * per_token + sizes["logit_tokens"] * per_logit + fixed
+    # The no-grad forwards keep no graph: one layer's working set and the logits.
+    log_prob_forward = (sizes["log_prob_tokens"] * (arch.saved_per_token_layer(compute)
+                                                    + arch.routed_in_fp32(compute, outputs=2))
+                        + sizes["log_prob_logit_tokens"] * per_logit + fixed)
+    return {"activations": max(training, log_prob_forward), "per_token": per_token + per_logit, "fixed": fixed,
+            **sizes}
+
+
+def learner_tokens(cfg: Config, derived: Derived, arch: Architecture, device: dict[str, int],
+                   device_memory: Optional[int]) -> dict[str, Any]:
+    """The tokens a learner's forwards compute (micro_batch_tokens), and the largest training token
+    budget (ppo_max_token_len_per_gpu, in steps of 1024) whose activations fit beside what the
+    learner's device holds anyway (None: the device's memory is unknown, or not even one full-length
+    sequence fits)."""
+    compute = 2 if cfg.model.learner_dtype == "bf16" else 4
+    sizes = learner_activations(cfg, derived, arch, compute)
+    budget = None
+    if device_memory is not None:
+        held = device["total"] - device["activations"]
+        most = (device_memory - held - sizes["fixed"]) // sizes["per_token"] // 1024 * 1024
+        budget = most if most >= cfg.data.max_prompt_length + cfg.rollout.max_response_length else None
+    return {"by": "budget" if cfg.optim.use_dynamic_bsz else "rows", "tokens": sizes["tokens"],
+            "log_prob_tokens": sizes["log_prob_tokens"], "largest_fitting_budget": budget,
+            "device_memory_known": device_memory is not None}
 
 
 def checkpoint_bytes(params: int) -> int:
@@ -443,7 +487,8 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
             "node_host_total": busiest["host"], "most_loaded_node": busiest["node"],
             "host_memory": capacity.host_memory, "host_memory_from": capacity.host_from,
             "checkpoint": checkpoint, "disk_free": capacity.disk_free, "disk_free_from": capacity.disk_from,
-            "device_memory": device_memory, "device_need": device_total}
+            "device_memory": device_memory, "device_need": device_total,
+            "learner_tokens": learner_tokens(cfg, derived, arch, learner["device"], device_memory)}
     checks = fit_checks(plan, device_total, capacity)
     known = [ok for ok in checks.values() if ok is not None]
     return {**plan, "checks": checks, "fits": all(known) if known else None}

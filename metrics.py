@@ -32,6 +32,10 @@ if TYPE_CHECKING:  # for annotations only: `python metrics.py plot` need not imp
 # The names of rollout_correction.METRICS (a module that imports torch, which this one does not).
 ROLLOUT_CORRECTION = ("rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size",
                       "rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction")
+# throughput.phase_metrics's columns (a module that imports torch): per phase of the learner's step,
+# real tokens a second over the learners, the share of computed tokens that were padding, MFU.
+LEARNER_THROUGHPUT = tuple(f"{phase}_{what}" for phase in ("old_logp", "ref", "update")
+                           for what in ("tokens_per_s", "padding_frac", "mfu"))
 COLUMNS = [
     "step", "reward_mean", "reward_std", "acc_mean", "score_mean", "reward_malformed",
     "response_length_mean", "response_length_max", "truncated_frac",
@@ -45,9 +49,10 @@ COLUMNS = [
     "alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit",
     "step_time_s", "gen_time_s", "train_time_s", "sync_time_s", "weight_transfer_s", "weight_load_s", "save_time_s",
     "overlap", "gen_tokens_per_s",
+    *LEARNER_THROUGHPUT,
 ]
 # Columns that measure wall time and so differ between otherwise identical runs.
-TIMING_COLUMNS = frozenset(c for c in COLUMNS if c.endswith("_s") or c in ("overlap", "gen_tokens_per_s"))
+TIMING_COLUMNS = frozenset(c for c in COLUMNS if c.endswith(("_s", "_mfu")) or c in ("overlap", "gen_tokens_per_s"))
 # Every column but step (the x axis) as a TensorBoard tag GROUP/column, so related curves share a
 # section in TensorBoard.
 TENSORBOARD_GROUPS = {
@@ -61,7 +66,8 @@ TENSORBOARD_GROUPS = {
     "sampling": ("num_gen_batches", "informative_frac", "carried_groups", "staleness", "weight_version"),
     "val": ("val_reward_mean", "val_acc"),
     "alarm": ("alarm_kl_jump", "alarm_length_rising", "alarm_no_signal", "alarm_overfit"),
-    "timing": tuple(c for c in COLUMNS if c in TIMING_COLUMNS),
+    "timing": tuple(c for c in COLUMNS if c in TIMING_COLUMNS and c not in LEARNER_THROUGHPUT),
+    "learner": LEARNER_THROUGHPUT,
 }
 TENSORBOARD_TAGS = {column: f"{group}/{column}" for group, columns in TENSORBOARD_GROUPS.items() for column in columns}
 
@@ -224,12 +230,18 @@ def console_line(row: dict[str, Any]) -> str:
         correction += f" rejected {num('rollout_rs_masked_fraction', '.3f')}"
     if row.get("routing_mismatch") is not None:
         correction += f" routing {num('routing_mismatch', '.3f')} engine {num('engine_mismatch_mean', '.4f')}"
+    learner = ""
+    if row.get("update_tokens_per_s") is not None:  # per phase: old log-probs / reference / update
+        phases = lambda what, fmt: "/".join(num(f"{phase}_{what}", fmt) for phase in ("old_logp", "ref", "update"))  # noqa: E731
+        learner = f" | old/ref/upd tok/s {phases('tokens_per_s', '.0f')} pad {phases('padding_frac', '.2f')}"
+        if row.get("update_mfu") is not None:
+            learner += f" mfu {phases('mfu', '.1%')}"
     if row.get("policy_loss") is None:  # the validation-only row before training
         return f"step {row['step']:>5} | val_reward {num('val_reward_mean', '+.3f')}{val}"
     return (
         f"step {row['step']:>5} | reward {num('reward_mean', '+.3f')} acc {num('acc_mean', '.3f')} "
         f"| kl {num('kl', '.4f')} ent {num('entropy', '.3f')} len {num('response_length_mean', '.1f')} "
-        f"| loss {num('policy_loss', '+.4f')}{correction} | {num('step_time_s', '.2f')}s{val}"
+        f"| loss {num('policy_loss', '+.4f')}{correction} | {num('step_time_s', '.2f')}s{learner}{val}"
     )
 
 

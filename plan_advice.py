@@ -391,6 +391,10 @@ def learner_advice(planning: Planning, plan: dict[str, Any], room: int, check: s
         if more:
             notes.append(more)
     if device["activations"] > min(room / 4, room - state):
+        fitting = plan["learner_tokens"]["largest_fitting_budget"]
+        if cfg.optim.use_dynamic_bsz and fitting:
+            notes.append(Suggestion((("ppo_max_token_len_per_gpu", fitting),), check,
+                                    " (the largest token budget whose activations fit)"))
         notes += activation_advice(cfg, device["activations"], check)
     return notes
 
@@ -561,6 +565,8 @@ def rank_lines(plan: dict[str, Any]) -> list[str]:
     for where in ("device", "host"):
         lines.append(f"learner rank ({where}):")
         lines += [f"  {k:<16} {gib(v)}" for k, v in learner[where].items()]
+        if where == "device":
+            lines.append(f"  {learner_tokens_text(plan['learner_tokens'])}")
     single = plan["one_process"]
     if single is not None:
         lines.append("one process, both roles on one device:")
@@ -569,6 +575,16 @@ def rank_lines(plan: dict[str, Any]) -> list[str]:
                      f"{single['fp32_rollout_copy'] / GIB:.2f} GiB fp32 rollout copy)")
         lines.append(f"  {'peak':<16} {gib(single['total'])}  at {single['peak_at']}")
     return lines
+
+
+def learner_tokens_text(tokens: dict[str, Any]) -> str:
+    """The learner's micro-batch in tokens, and the token budget the device leaves room for."""
+    how = "ppo_max_token_len_per_gpu" if tokens["by"] == "budget" else "per_device_batch_size full-length rows"
+    fitting = tokens["largest_fitting_budget"]
+    room = f"ppo_max_token_len_per_gpu up to {fitting} fits" if fitting else \
+        "no token budget fits" if tokens["device_memory_known"] else "the device's memory is unknown"
+    return (f"(activations of a micro-batch of {tokens['tokens']} tokens ({how}), of a log-prob forward "
+            f"{tokens['log_prob_tokens']}; with use_dynamic_bsz, {room})")
 
 
 def node_lines(plan: dict[str, Any]) -> list[str]:

@@ -164,7 +164,7 @@ def plant_functional_collective_of_a_host_tensor() -> None:
 
 
 def plant_functional_collective_of_float64() -> None:
-    funcol.wait_tensor(funcol.all_gather_single(torch.ones(2, dtype=torch.float64).to(device), 0, dist.group.WORLD))
+    funcol.wait_tensor(funcol.all_gather_tensor(torch.ones(2, dtype=torch.float64).to(device), 0, dist.group.WORLD))
 
 
 # ----- NPU kinds (a float8 operand under hccl, a non-bool attn_mask) ------------------------------

@@ -307,7 +307,13 @@ def is_device(value: Any) -> bool:
 # Kernels see a plain wrapper of the C++ generator, not the subclass instance that named its
 # device; c10 hands out one wrapper per generator while that wrapper lives, so each generator
 # keeps its wrapper alive and the wrapper is what remembers the device.
-_generator_devices: "weakref.WeakKeyDictionary[torch._C.Generator, torch.device]" = weakref.WeakKeyDictionary()
+# Generators take weak references from torch 2.13; before (torch 2.10, vllm-ascend's), a plain
+# dict keeps the few a run makes.
+_generator_devices: "dict[torch._C.Generator, torch.device]" = weakref.WeakKeyDictionary()
+try:
+    weakref.ref(torch.Generator())
+except TypeError:
+    _generator_devices = {}
 
 
 class _CaptureGenerator(TorchDispatchMode):

@@ -44,6 +44,10 @@ JOBS = {
     "fp8 demo, npu, 2 learners without offload": (3, 2, NPU, FP8_DEMO),
     "fp8 demo, nccl, 4 micro-batches": (2, 1, NCCL, [*FP8_DEMO, "--per_device_batch_size", "4",
                                                      "--gradient_accumulation_steps", "4"]),
+    # Packed micro-batches of at most 64 real tokens (about 4 of the demo's rows), forwards of 128.
+    "fp8 demo, npu, 2 learners by token budget": (3, 2, NPU, [*FP8_DEMO, "--use_dynamic_bsz", "true",
+                                                              "--ppo_max_token_len_per_gpu", "64",
+                                                              "--log_prob_max_token_len_per_gpu", "128"]),
 }
 
 
@@ -151,6 +155,16 @@ def test_the_learner_waits_for_the_device_no_more_often_with_more_micro_batches(
     one, four = job("fp8 demo, npu, 2 learners without offload"), job("fp8 demo, nccl, 4 micro-batches")
     assert host_waits_per_optimizer_step(one) == host_waits_per_optimizer_step(four) <= 1, describe(
         [f for f in one.findings("sync") + four.findings("sync") if "accumulate_minibatch" in f["functions"]])
+
+
+def test_micro_batches_by_token_budget_add_no_host_wait(job):
+    """Micro-batches filled by real tokens (several per optimizer step, cut on the host from the
+    samples' lengths) wait for the device no more often than one micro-batch of rows does."""
+    rows, budget = job("fp8 demo, npu, 2 learners without offload"), job("fp8 demo, npu, 2 learners by token budget")
+    assert host_waits_per_optimizer_step(budget) == host_waits_per_optimizer_step(rows) <= 1, describe(
+        [f for f in budget.findings("sync") if "accumulate_minibatch" in f["functions"]])
+    trained = [row for row in budget.metrics if row["update_padding_frac"]]
+    assert trained and all(float(row["update_padding_frac"]) == 0.0 for row in trained)  # packed
 
 
 # Each plant_* function of tests/accel_regressions.py: the kind of finding it must leave and a

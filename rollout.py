@@ -195,7 +195,8 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
     model = rollout_copy()
     return BuiltinEngine(model, RolloutWeights(model.config, cfg.model.rollout_dtype), device=plat.device,
                          stop_check_every=cfg.rollout.rollout_stop_check_every,
-                         compile_mode=decode_compile_mode(plat.kind, cfg.rollout.rollout_compile),
+                         compile_mode=decode_compile_mode(plat.kind, cfg.rollout.rollout_compile,
+                                                          ROLLOUT_COMPUTE_DTYPES[cfg.model.rollout_dtype]),
                          record_routing=cfg.algo.routing_replay, max_rows=sequences,
                          max_prompt_width=bucket_bound(cfg.data.max_prompt_length, cfg.data.bucket_size), **settings)
 

@@ -13,7 +13,7 @@ import engine_builtin
 from engine import Sampling
 from engine_builtin import generate
 from fp8 import convert_to_fp8
-from tests.host_reads import HostReads
+from tests.host_reads import SIZED_BY_DATA, VALUE_OPS, HostReads
 
 VOCAB = 256
 
@@ -183,7 +183,7 @@ def test_compiled_decode_step_gives_the_eager_tokens():
     run = lambda mode: generate(model, ids, mask, max_new_tokens=12, stop_ids=[], pad_id=0,  # noqa: E731
                                 sampling=Sampling(greedy=True),
                                 decoder=engine_builtin._Decoder(model, mode, record_routing=True))
-    eager, compiled = run(None), run(device.decode_compile_mode("cpu", True))
+    eager, compiled = run(None), run(device.decode_compile_mode("cpu", True, torch.float32))
     assert torch.equal(eager.response_ids, compiled.response_ids)
     assert compiled.routed_experts.shape == (4, 8 + 12, 1, 2) and torch.equal(eager.routed_experts,
                                                                               compiled.routed_experts)
@@ -243,7 +243,7 @@ def test_compiled_steps_one_graph_per_rows_and_attended_length_mutating_static_i
     monkeypatch.setattr(torch, "compile", lambda step, mode, dynamic: compile(
         step, backend=aot_autograd(fw_compiler=inspect), dynamic=dynamic))
     model = moe_model(layers=1)
-    decoder = engine_builtin._Decoder(model, device.decode_compile_mode("cpu", True))
+    decoder = engine_builtin._Decoder(model, device.decode_compile_mode("cpu", True, torch.float32))
     decoder.reserve(4, 20 + 20)
     steps = 0
     for width in (8, 20):
@@ -255,3 +255,44 @@ def test_compiled_steps_one_graph_per_rows_and_attended_length_mutating_static_i
     assert steps == 38 and len(graphs) == 3 <= decoder.step_shapes()
     for mutated, static in graphs:
         assert len(mutated) == 3 and mutated <= static, (mutated, static)
+
+
+# Ops in a compiled step that read a device value on the host: aten's (tests/host_reads.py), and
+# transformers' fallback for grouped GEMMs, which reads the experts' row offsets inside (offs.tolist()).
+HOST_READING_OPS = {*VALUE_OPS, *SIZED_BY_DATA, "transformers::grouped_mm_fallback"}
+
+
+def _reads_the_host(node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        target in HOST_READING_OPS or target.overloadpacket in HOST_READING_OPS or target.name() in HOST_READING_OPS)
+
+
+@pytest.mark.parametrize("rollout_dtype", ["fp32", "bf16", "fp8"])
+def test_cuda_graphs_only_where_the_whole_decode_step_is_capturable(rollout_dtype, monkeypatch):
+    """A CUDA graph replays one capture: a step that reads the device on the host cannot be
+    captured (the copy raises during capture) or is replayed with the values of its capture. The
+    mode CUDA gets by default for each rollout dtype (reduce-overhead: CUDA graphs) agrees with
+    the compiled step traced here (one graph for one step shape, with no op that reads the host).
+    FP8 experts run grouped, as on CUDA (the CPU runs them dense at this size)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fp8 import Fp8Experts
+
+    compute_dtype = device.ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+    graphs = []
+    monkeypatch.setattr(torch, "compile", lambda step, mode, dynamic: torch._dynamo.optimize(
+        aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm.graph) or gm.forward), dynamic=dynamic)(step))
+    monkeypatch.setattr(Fp8Experts, "implementation", "grouped")
+    model = moe_model(compute_dtype, layers=1)
+    model = convert_to_fp8(model, compute_dtype) if rollout_dtype == "fp8" else model
+    torch._dynamo.reset()
+    ids, mask = prompts(4, 8)
+    decoder = engine_builtin._Decoder(model, device.decode_compile_mode("cpu", True, compute_dtype))
+    generate(model, ids, mask, max_new_tokens=6, stop_ids=[], pad_id=0, sampling=Sampling(greedy=True),
+             decoder=decoder)  # 9 to 14 positions filled: one attended length, one step shape
+    reads = sorted({str(node.target) for graph in graphs for node in graph.nodes if _reads_the_host(node)})
+    capturable = len(graphs) == 1 and not reads
+    assert (device.decode_compile_mode("cuda", None, compute_dtype) == "reduce-overhead") == capturable, \
+        (len(graphs), reads)
+    assert capturable == (compute_dtype == torch.bfloat16), "the case this test is for has moved: read it again"

@@ -157,6 +157,10 @@ class RunConfig:
     config: Optional[str] = None
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     seed: int = 0
+    # torch's deterministic kernels and the vendor libraries' settings for them (device.
+    # use_deterministic_algorithms): two runs, and a run and its resume, compute the same on a GPU or
+    # NPU, at some speed. A CPU computes the same twice either way.
+    deterministic: bool = False
     output_dir: str = "runs/dapo"
     overwrite_output_dir: bool = False
     max_steps: int = 100
@@ -784,6 +788,7 @@ KEY_HELP: dict[str, str] = {
     "config": "YAML file of settings (keys at the top level or under their section)",
     "device": "auto picks npu, then cuda, then cpu; a device named but absent is refused",
     "seed": "random seed (each rank adds its rank)",
+    "deterministic": "deterministic kernels and collectives on GPU/NPU (torch, cuBLAS, HCCL settings), so that two runs and a resume match bit for bit; slower",
     "output_dir": "where the run writes metrics, checkpoints and the exported model",
     "overwrite_output_dir": "start over in an output_dir that holds another run",
     "max_steps": "training steps",

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -727,6 +727,43 @@ def step_generator(seed: int, *keys: int, device: torch.device = torch.device("c
     """A generator on ``device`` (where the tensors it draws for live) that depends only on
     (seed, keys): the same draws on every run and resume on that kind of device."""
     return torch.Generator(device=device).manual_seed(mix_seed(seed, *keys))
+
+
+# What fixed-order kernels and collectives need beyond torch.use_deterministic_algorithms, read by
+# the libraries when they start, so set before the first kernel or collective: cuBLAS's fixed
+# workspace (torch's "Reproducibility" notes); on Ascend, HCCL's and LCCL's reductions in a fixed
+# order and matmuls without the K-axis shift, as verl's Ascend inference-consistency guide and
+# vllm-ascend's batch-invariant mode set them. A value the user set is kept.
+DETERMINISM_VARIABLES = {
+    "cuda": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+    "npu": {"HCCL_DETERMINISTIC": "true", "LCCL_DETERMINISTIC": "1", "CLOSE_MATMUL_K_SHIFT": "1",
+            "ATB_MATMUL_SHUFFLE_K_ENABLE": "0", "ATB_LLM_LCOC_ENABLE": "0"},
+}
+
+
+def use_deterministic_algorithms(platform_kind: str, enabled: bool) -> Callable[[], None]:
+    """With ``enabled`` (run.deterministic), this process computes the same twice on its device:
+    torch's deterministic kernels (an op that has none raises), cuDNN without autotuning, fresh
+    tensors filled rather than left with old memory, and DETERMINISM_VARIABLES in the environment
+    (the ranks' engines inherit them). Returns what puts the process back as it was: a run called
+    in-process (a test, bench/probe_step.py) leaves nothing behind."""
+    if not enabled:
+        return lambda: None
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    added = {name: value for name, value in DETERMINISM_VARIABLES.get(platform_kind, {}).items()
+             if name not in os.environ}
+    os.environ.update(added)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+    def restore() -> None:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+        for name in added:
+            os.environ.pop(name, None)
+
+    return restore
 
 
 def seed_everything(seed: int) -> None:

@@ -34,7 +34,7 @@ import versions
 from config import Config, Derived, Schedule, UserError, load_config, split_inspection, uses_fsdp, warnings_for
 from data_prep import check_reward_on_data, load_run_inputs
 from device import (Platform, bind_host_cores, experts_implementation, seed_everything, select_platform,
-                    write_env_report)
+                    use_deterministic_algorithms, write_env_report)
 from learner import Learner, check_model_type, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, all_reduce_sum, at_step,
@@ -308,7 +308,7 @@ def start_up_warnings(cfg: Config, platform_kind: str) -> list[str]:
 @config.answers_usage  # -h/--help: every key with its default, exit 0; no arguments: the usage, exit 2
 def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     """The run; ``trainer_class`` is a user's subclass of :class:`Trainer` (README.md)."""
-    groups = None
+    groups, restore_determinism = None, lambda: None
     try:
         argv, inspection, *asked = split_inspection(argv)  # --plan / --dry_run [WORLD_SIZE] [--nnodes N]
         cfg = load_config(argv)
@@ -316,6 +316,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
         world_size, lead = layout.world_size, layout.is_lead
         plat = select_platform(cfg.run.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         versions.check_stack(plat.kind, cfg.model.rollout_engine)  # --plan and --dry_run too
+        restore_determinism = use_deterministic_algorithms(plat.kind, cfg.run.deterministic)  # before any kernel
         check_inputs(cfg, reads_data=inspection is None)  # before anything loads and output_dir is written
         if inspection == "dry_run":
             return dry_run.run(cfg, derived)
@@ -365,6 +366,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     finally:
         stopping.unwatch()
         leave_world()
+        restore_determinism()
     return 0
 
 

@@ -1,5 +1,6 @@
 """Device selection: CPU without torch_npu, the NPU branch with a fake torch_npu, and who names devices."""
 import json
+import os
 import random
 import re
 import subprocess
@@ -185,3 +186,27 @@ def test_the_device_ipc_calls_this_cpu_cannot_make_exist_with_the_arguments_we_p
     parameters = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
     assert len(parameters) == 15 and parameters[6] == "storage_device"
     assert callable(reductions.reduce_tensor) and hasattr(torch.cuda, "get_device_properties")
+
+
+def test_deterministic_algorithms_are_set_for_the_run_and_put_back(monkeypatch):
+    """run.deterministic: torch's deterministic kernels, cuDNN without autotuning and the
+    platform's variables (a variable the user set is kept); afterwards the process as it was.
+    Off: nothing changes."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("HCCL_DETERMINISTIC", "false")  # the user's
+    assert device.use_deterministic_algorithms("cuda", False)() is None
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    for kind, ours, theirs in (("cuda", "CUBLAS_WORKSPACE_CONFIG", None), ("npu", "CLOSE_MATMUL_K_SHIFT",
+                                                                          "HCCL_DETERMINISTIC")):
+        benchmark = torch.backends.cudnn.benchmark
+        restore = device.use_deterministic_algorithms(kind, True)
+        try:
+            assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+            assert not torch.backends.cudnn.benchmark
+            assert os.environ[ours] == device.DETERMINISM_VARIABLES[kind][ours]
+            assert theirs is None or os.environ[theirs] == "false"
+        finally:
+            restore()
+        assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+        assert torch.backends.cudnn.benchmark == benchmark and ours not in os.environ
+        assert os.environ["HCCL_DETERMINISTIC"] == "false"

@@ -53,10 +53,14 @@ def test_one_full_step_trains_and_writes_everything(demo_argv, tmp_path):
 
 
 def test_main_writes_config_and_env_report_and_is_deterministic(demo_argv, tmp_path):
+    """Two runs match; the second with run.deterministic, which on a CPU changes no number: no op
+    the demo runs lacks a deterministic kernel, none reads memory it did not write (deterministic
+    mode fills fresh tensors), and the setting ends with the run."""
     runs = []
-    for name in ("a", "b"):
-        argv = demo_argv + ["--max_steps", "3", "--output_dir", str(tmp_path / name)]
+    for name, deterministic in (("a", "false"), ("b", "true")):
+        argv = demo_argv + ["--max_steps", "3", "--output_dir", str(tmp_path / name), "--deterministic", deterministic]
         assert train_dapo.main(argv) == 0
+        assert not torch.are_deterministic_algorithms_enabled()
         runs.append(read_metrics(tmp_path / name))
         assert (tmp_path / name / "config.yaml").is_file() and (tmp_path / name / "env_report.json").is_file()
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in rows]  # noqa: E731

@@ -29,13 +29,25 @@ except ImportError:  # pragma: no cover
     tqdm = None
 
 
+# The sampler sums probabilities in integers, in units of 2**-40 (a float's scaling by a power of
+# two is exact): a float cumulative sum on CUDA has no deterministic kernel, and raises under
+# run.deterministic, where an integer one is exact in any order. A token below 2**-41 gets no
+# share, far below the 2**-24 a float32 uniform draw resolves.
+PROBABILITY_UNITS = 2 ** 40
+
+
+def _probability_units(probs: torch.Tensor) -> torch.Tensor:
+    return (probs * PROBABILITY_UNITS).round().to(torch.int64)
+
+
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Mask out the tail of the distribution beyond cumulative probability top_p (nucleus)."""
     if top_p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    sorted_probs = sorted_logits.softmax(-1)
-    drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # keep the token that crosses top_p
+    sorted_units = _probability_units(sorted_logits.softmax(-1))
+    # keep the token that crosses top_p
+    drop_sorted = sorted_units.cumsum(-1) - sorted_units >= round(top_p * PROBABILITY_UNITS)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -48,13 +60,13 @@ def _choose_token(logits: torch.Tensor, *, greedy: bool, top_p: float, generator
     rows are still decoding when finished ones are compacted out."""
     if greedy:
         return logits.argmax(-1)
-    cumulative = _top_p_filter(logits, top_p).softmax(-1).cumsum(-1)
+    cumulative = _probability_units(_top_p_filter(logits, top_p).softmax(-1)).cumsum(-1)
     uniform = torch.rand(batch_rows or logits.shape[0], generator=generator, device=logits.device)
     if rows is not None:
         uniform = uniform[rows]
-    # cumulative[-1] is 1 up to rounding: scaling by it keeps every draw inside the distribution;
-    # right=True skips tokens of probability 0 (flat steps of the cumulative sum)
-    target = (uniform * cumulative[:, -1]).unsqueeze(-1)
+    # cumulative[-1] is PROBABILITY_UNITS up to rounding: scaling by it keeps every draw inside the
+    # distribution; right=True skips tokens of probability 0 (flat steps of the cumulative sum)
+    target = (uniform * cumulative[:, -1]).to(torch.int64).unsqueeze(-1)
     token = torch.searchsorted(cumulative, target, right=True).squeeze(-1)
     return token.clamp_(max=logits.shape[-1] - 1)
 

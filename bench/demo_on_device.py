@@ -1,11 +1,14 @@
 """The demo on one device, one process: it learns, checkpoints, and resumes exactly.
 
-    PYTHONPATH=. python bench/demo_on_device.py --out DIR [--device auto] [--steps 200]
+    PYTHONPATH=. python bench/demo_on_device.py --out DIR [--device auto] [--steps 200] [--rollout-compile false]
 
 Builds the demo assets into DIR/assets (data_prep.py demo), then runs train_dapo.py with
-configs/demo_cpu.yaml on the device: run A trains STEPS steps straight; run B, started beside
-run A, trains STEPS/2 steps and is then resumed (--resume_from_checkpoint auto) to STEPS. Both
-validate and save every STEPS/2 steps; side by side, each has half the host's cores. Prints one
+configs/demo_cpu.yaml on the device, deterministic (run.deterministic: a GPU's fastest kernels
+do not compute the same twice): run A trains STEPS steps straight; run B, started beside run A,
+trains STEPS/2 steps and is then resumed (--resume_from_checkpoint auto) to STEPS. Both validate
+and save every STEPS/2 steps; side by side, each has half the host's cores. The decode step is
+not compiled unless --rollout-compile says so: compiling one graph per attended length would
+take most of the check, and bench/decode.py measures the compiled step. Prints one
 line: run A's val_acc at the start and the end, its median step time, and whether run B ended
 with run A's weights (the .safetensors files of the last checkpoint, byte for byte) and
 metrics.csv rows (every column but the timings). On a difference it names the first one and
@@ -53,8 +56,10 @@ def wait(process: subprocess.Popen, log: Path, what: str) -> None:
                           f"(log: {log})")
 
 
-def train(run_dir: Path, assets: Path, device: str, steps: int, every: int, *extra: str) -> subprocess.Popen:
-    return start(["train_dapo.py", "--config", "configs/demo_cpu.yaml", "--device", device,
+def train(run_dir: Path, assets: Path, options: argparse.Namespace, steps: int, every: int,
+          *extra: str) -> subprocess.Popen:
+    return start(["train_dapo.py", "--config", "configs/demo_cpu.yaml", "--device", options.device,
+                  "--deterministic", "true", "--rollout_compile", options.rollout_compile,
                   "--model_path", str(assets / "model"), "--dataset", str(assets / "train.jsonl"),
                   "--val_dataset", str(assets / "val.jsonl"), "--output_dir", str(run_dir), "--max_steps", str(steps),
                   "--save_every", str(every), "--val_every", str(every), "--log_every", str(every),
@@ -102,13 +107,13 @@ def compare(straight: Path, resumed: Path, half: int, steps: int) -> str:
     return f"resume at {half} exact (step {steps} weights and {len(rows_a)} metrics rows identical)"
 
 
-def train_straight_and_resumed(assets: Path, straight: Path, resumed: Path, device: str, steps: int) -> None:
+def train_straight_and_resumed(assets: Path, straight: Path, resumed: Path, options: argparse.Namespace) -> None:
     """Run A beside the first half of run B, then run B's resumed half; a failure stops them all."""
-    half = steps // 2
-    running = [train(straight, assets, device, steps, half)]
+    steps, half = options.steps, options.steps // 2
+    running = [train(straight, assets, options, steps, half)]
     try:
-        wait(train(resumed, assets, device, half, half), resumed.with_suffix(".log"), f"run B (steps 1-{half})")
-        running.append(train(resumed, assets, device, steps, half, "--resume_from_checkpoint", "auto"))
+        wait(train(resumed, assets, options, half, half), resumed.with_suffix(".log"), f"run B (steps 1-{half})")
+        running.append(train(resumed, assets, options, steps, half, "--resume_from_checkpoint", "auto"))
         wait(running[0], straight.with_suffix(".log"), f"run A (steps 1-{steps})")
         wait(running[1], resumed.with_suffix(".log"), f"run B resumed (steps {half + 1}-{steps})")
     finally:
@@ -117,11 +122,12 @@ def train_straight_and_resumed(assets: Path, straight: Path, resumed: Path, devi
                 process.kill()  # no run outlives a failed check
 
 
-def run_check(out: Path, device: str, steps: int) -> str:
+def run_check(out: Path, options: argparse.Namespace) -> str:
     assets, straight, resumed = out / "assets", out / "straight", out / "resumed"
     build_log = out / "assets.log"
+    steps = options.steps
     wait(start(["data_prep.py", "demo", "--out", str(assets)], build_log), build_log, "data_prep demo")
-    train_straight_and_resumed(assets, straight, resumed, device, steps)
+    train_straight_and_resumed(assets, straight, resumed, options)
     verdict = compare(straight, resumed, steps // 2, steps)
     rows = metrics_rows(straight)
     val_acc = {int(r["step"]): float(r["val_acc"]) for r in rows if r["val_acc"]}
@@ -136,13 +142,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--steps", type=int, default=200, help="an even number: run B resumes at half of it")
+    parser.add_argument("--rollout-compile", choices=("true", "false", "null"), default="false",
+                        help="rollout_compile for both runs (null: the platform's choice)")
     args = parser.parse_args()
     if args.steps < 2 or args.steps % 2:
         parser.error(f"--steps must be an even number >= 2, got {args.steps}")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
-        verdict = run_check(args.out, args.device, args.steps)
+        verdict = run_check(args.out, args)
     except CheckFailed as failure:
         print(f"FAIL demo: {failure}")
         return 1

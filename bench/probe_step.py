@@ -1,6 +1,7 @@
 """One DAPO step of the probe (probe_model.py) through this project's own trainer, in one process.
 
     PYTHONPATH=. python bench/probe_step.py --out DIR [--layers 4] [--small] [--device auto] [--peak-tflops 989]
+        [--rollout-compile null]
 
 Builds the probe in DIR/probe (about 6 GB for 4 layers; reused when built the same way), trains
 3 steps with train_dapo.main into DIR/probe_ours (bf16 rollout and learner, gradient
@@ -29,7 +30,7 @@ MICRO_BATCH = 16
 RESULT_FILE = "probe_ours.json"
 
 
-def train_argv(probe: Probe, run_dir: Path, device: str) -> list[str]:
+def train_argv(probe: Probe, run_dir: Path, device: str, rollout_compile: str) -> list[str]:
     work = probe.work
     settings = {
         "model_path": probe.model_path, "dataset": probe.dataset, "reward_fn": "probe_model:zero_reward",
@@ -39,6 +40,7 @@ def train_argv(probe: Probe, run_dir: Path, device: str) -> list[str]:
         # Random weights earn one constant reward, so no group would count as informative.
         "dynamic_sampling": "false",
         "rollout_dtype": "bf16", "learner_dtype": "bf16", "gradient_checkpointing": "true",
+        "rollout_compile": rollout_compile,
         # One optimizer step on all the step's sequences in micro-batches of 16, as TRL's default
         # layout (steps_per_generation = gradient_accumulation_steps) does.
         "per_device_batch_size": MICRO_BATCH, "gradient_accumulation_steps": work.sequences // MICRO_BATCH,
@@ -76,6 +78,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="a tiny geometry for a CPU (probe_model.py)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--rollout-compile", choices=("true", "false", "null"), default="null",
+                        help="rollout_compile (null: the platform's choice; on CUDA the decode step compiles once per "
+                             "attended length, in step 1, which the means leave out)")
     return parser.parse_args()
 
 
@@ -87,7 +92,7 @@ def main() -> int:
     if plat.module is not None:
         plat.module.reset_peak_memory_stats()  # the run's peak, not the build's
     run_dir = args.out / "probe_ours"
-    status = train_dapo.main(train_argv(probe, run_dir, args.device))
+    status = train_dapo.main(train_argv(probe, run_dir, args.device, args.rollout_compile))
     if status != 0:
         return status  # train_dapo's one-line error is the last line of output, for the FAIL line
     peak_memory = plat.module.max_memory_allocated() if plat.module is not None else None

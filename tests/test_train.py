@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import train_dapo
 from config import Derived, load_config
 from device import select_platform
 from metrics import TIMING_COLUMNS, AlarmMonitor
+from tests.cuda_determinism import RefusedOnCuda
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,19 +55,23 @@ def test_one_full_step_trains_and_writes_everything(demo_argv, tmp_path):
 
 
 def test_main_writes_config_and_env_report_and_is_deterministic(demo_argv, tmp_path):
-    """Two runs match; the second with run.deterministic, which on a CPU changes no number: no op
-    the demo runs lacks a deterministic kernel, none reads memory it did not write (deterministic
-    mode fills fresh tensors), and the setting ends with the run."""
-    runs = []
-    for name, deterministic in (("a", "false"), ("b", "true")):
-        argv = demo_argv + ["--max_steps", "3", "--output_dir", str(tmp_path / name), "--deterministic", deterministic]
-        assert train_dapo.main(argv) == 0
+    """Two runs match; the second with run.deterministic, which on a CPU changes no number: none
+    of its ops reads memory it did not write (deterministic mode fills fresh tensors) and none is
+    one a CUDA device refuses under deterministic algorithms (its rollout and its training step
+    included); the setting ends with the run."""
+    runs, refused = [], RefusedOnCuda()
+    for name, deterministic in (("a", nullcontext()), ("b", refused)):
+        argv = demo_argv + ["--max_steps", "3", "--output_dir", str(tmp_path / name),
+                            "--deterministic", str(name == "b").lower()]
+        with deterministic:
+            assert train_dapo.main(argv) == 0
         assert not torch.are_deterministic_algorithms_enabled()
         runs.append(read_metrics(tmp_path / name))
         assert (tmp_path / name / "config.yaml").is_file() and (tmp_path / name / "env_report.json").is_file()
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_COLUMNS} for r in rows]  # noqa: E731
     assert strip(runs[0]) == strip(runs[1])
     assert len(runs[0]) == 4
+    assert not refused.seen, refused.seen
 
 
 def test_existing_checkpoints_are_not_overwritten(demo_argv, tmp_path, capsys):

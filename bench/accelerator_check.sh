@@ -10,6 +10,10 @@
 #           always takes the device that auto picks)
 #   ipc     the device's memory opened in place by another process, as a vLLM engine's worker
 #           opens a rollout rank's weight buckets, and the copy's GB/s (bench/ipc_check.py)
+#   decode  the built-in engine's decode loop on a random 1.4B Qwen3-MoE (hidden 2048, 4 layers, 64
+#           experts top-8), 32 rows, 64 new tokens after 256: a decode step's ms in bf16 and FP8,
+#           eager and compiled (on CUDA in CUDA graphs), the speeds compiled / eager and FP8 / bf16,
+#           each compile's seconds and the host syncs per step (bench/decode.py --check)
 #   demo    the demo trains STEPS steps on the device, checkpoints, and resumes exactly
 #           (bench/demo_on_device.py)
 #   probe   3 DAPO steps on Qwen3-30B-A3B's geometry with PROBE_LAYERS of its layers: the step
@@ -28,7 +32,7 @@
 #   DEVICE         auto, cuda, npu or cpu (auto: device.select_platform picks npu, cuda, then cpu)
 #   STEPS          demo steps, an even number; the resumed run restarts at STEPS/2 (200)
 #   PROBE_LAYERS   probe layers, of Qwen3-30B-A3B's 48 (4: 3.1B parameters, 6 GB on disk)
-#   PROBE_SMALL    1: a tiny probe geometry, to try this script on a CPU (0)
+#   PROBE_SMALL    1: a tiny probe and decode geometry, to try this script on a CPU (0)
 #   PEAK_TFLOPS    the device's dense bf16 peak, for MFU (989: H100 and H200 SXM)
 #   CHECK_TIMEOUT  seconds after which a check is stopped and counted as failed (300)
 #   OUT            where runs, the probe and each check's log (OUT/<check>.log) go (a new /tmp folder)
@@ -118,6 +122,13 @@ echo "accelerator_check: DEVICE=$DEVICE STEPS=$STEPS PROBE_LAYERS=$PROBE_LAYERS 
 run_check device "$PYTHON" -c "$DEVICE_REPORT" "$DEVICE"
 smoke_check
 run_check ipc "$PYTHON" bench/ipc_check.py --device "$DEVICE"
+# 256 + 64 positions: every decode step attends over all 320 (kv_cache.attended_length), one step
+# shape, so each compiled case compiles once.
+decode_options=(--hidden 2048 --layers 4 --experts 64 --top_k 8 --moe_intermediate 768 --vocab 32768 --rows 32
+  --prompt_len 256 --short 64 --rounds 5)
+[[ $PROBE_SMALL == 1 ]] && decode_options=(--hidden 256 --layers 2 --experts 8 --top_k 2 --rows 4 --short 16
+  --rounds 1)
+run_check decode "$PYTHON" bench/decode.py --check --device "$DEVICE" "${decode_options[@]}"
 run_check demo "$PYTHON" bench/demo_on_device.py --out "$OUT/demo" --device "$DEVICE" --steps "$STEPS"
 run_check probe "$PYTHON" bench/probe_step.py --out "$OUT" --device "$DEVICE" --peak-tflops "$PEAK_TFLOPS" \
   "${probe_options[@]}"

@@ -27,23 +27,37 @@
 # validation and at the end); not datasets or tensorboard, no network and no pip install: the
 # project runs from this folder through PYTHONPATH.
 #
+# A machine without network (an image with torch, transformers, accelerate, pandas, pyarrow,
+# xxhash and huggingface_hub but not TRL) takes the trl line's packages as wheels, ~1.8 MB,
+# downloaded where pip works, carried in a folder .whl and installed beside the image's:
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux2014_x86_64 -d .whl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+#     pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# (multiprocess's wheel is per Python version: py312 above.) vLLM does not travel so: its CUDA
+# wheels are hundreds of MB and pin their own torch.
+#
 # Settings, from the environment:
 #   PYTHON         the interpreter (python3)
 #   DEVICE         auto, cuda, npu or cpu (auto: device.select_platform picks npu, cuda, then cpu)
-#   STEPS          demo steps, an even number; the resumed run restarts at STEPS/2 (200)
+#   STEPS          demo steps, an even number; the resumed run restarts at STEPS/2 (100)
 #   PROBE_LAYERS   probe layers, of Qwen3-30B-A3B's 48 (4: 3.1B parameters, 6 GB on disk)
 #   PROBE_SMALL    1: a tiny probe and decode geometry, to try this script on a CPU (0)
+#   PROBE_COMPILE  the probe's rollout_compile: false, true or null (false: compiling its decode
+#                  step, once per attended length, would take longer than its 3 steps; the
+#                  decode line measures the compiled step)
 #   PEAK_TFLOPS    the device's dense bf16 peak, for MFU (989: H100 and H200 SXM)
-#   CHECK_TIMEOUT  seconds after which a check is stopped and counted as failed (300)
+#   CHECK_TIMEOUT  seconds after which a check is stopped and counted as failed (300); one check's
+#                  own: TIMEOUT_<CHECK>, e.g. TIMEOUT_DEMO=240
 #   OUT            where runs, the probe and each check's log (OUT/<check>.log) go (a new /tmp folder)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-auto}
-STEPS=${STEPS:-200}
+STEPS=${STEPS:-100}
 PROBE_LAYERS=${PROBE_LAYERS:-4}
 PROBE_SMALL=${PROBE_SMALL:-0}
+PROBE_COMPILE=${PROBE_COMPILE:-false}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 CHECK_TIMEOUT=${CHECK_TIMEOUT:-300}
 OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/accelerator_check.XXXXXX")}
@@ -70,12 +84,13 @@ last_line() {
 run_check() {
   local name=$1
   shift
-  local log="$OUT/$name.log" started=$SECONDS status line
-  timeout "$CHECK_TIMEOUT" "$@" >"$log" 2>&1
+  local log="$OUT/$name.log" started=$SECONDS status line limit_name="TIMEOUT_${name^^}"
+  local limit=${!limit_name:-$CHECK_TIMEOUT}
+  timeout "$limit" "$@" >"$log" 2>&1
   status=$?
   line=$(grep -E "^(PASS|FAIL|SKIP) $name:" "$log" | tail -n 1)
   if [[ $status -eq 124 ]]; then
-    line="FAIL $name: stopped after CHECK_TIMEOUT=$CHECK_TIMEOUT s (log: $log)"
+    line="FAIL $name: stopped after $limit s ($limit_name or CHECK_TIMEOUT; log: $log)"
   elif [[ -z $line || ($status -ne 0 && $line != FAIL*) ]]; then
     line="FAIL $name: exit status $status: $(last_line "$log") (log: $log)"
   fi
@@ -131,7 +146,7 @@ decode_options=(--hidden 2048 --layers 4 --experts 64 --top_k 8 --moe_intermedia
 run_check decode "$PYTHON" bench/decode.py --check --device "$DEVICE" "${decode_options[@]}"
 run_check demo "$PYTHON" bench/demo_on_device.py --out "$OUT/demo" --device "$DEVICE" --steps "$STEPS"
 run_check probe "$PYTHON" bench/probe_step.py --out "$OUT" --device "$DEVICE" --peak-tflops "$PEAK_TFLOPS" \
-  "${probe_options[@]}"
+  --rollout-compile "$PROBE_COMPILE" "${probe_options[@]}"
 if [[ -f $OUT/probe/probe.json ]]; then
   run_check trl "$PYTHON" bench/probe_trl.py --out "$OUT" --device "$DEVICE"
 else

@@ -341,8 +341,10 @@ def _fp8_values_scaled_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool)
 
 def _reuse_workspace(x: torch.Tensor) -> bool:
     """Whether a matmul on ``x`` may use the shared workspace: not when autograd would keep the
-    weight for a backward pass (the next layer overwrites it)."""
-    return not (torch.is_grad_enabled() and x.requires_grad)
+    weight for a backward pass (the next layer overwrites it), nor inside a compiled graph, which
+    plans its own buffers: a graph that writes a tensor from outside it is not captured in a CUDA
+    graph (the H200 check: FP8 decode compiled without graphs, 1.7x eager where bf16 gained 5.2x)."""
+    return not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
 
 
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

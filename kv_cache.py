@@ -161,7 +161,9 @@ def cached_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         # heads read the cache as it is, without a copy repeated per query head.
         out = F.scaled_dot_product_attention(query.reshape(rows, keys.shape[1], groups, head_dim), keys, values,
                                              attn_mask=attention_mask, scale=scaling)
-        return out.view(rows, heads, 1, head_dim).transpose(1, 2), None
+        # reshape, not view: CUDA's kernels return [rows, groups, kv heads, dim] memory under this
+        # shape, which no view merges into heads (the CPU's returns it contiguous)
+        return out.reshape(rows, 1, heads, head_dim), None
     if groups > 1:  # the prompt, once per batch
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=attention_mask, scale=scaling)

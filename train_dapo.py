@@ -305,10 +305,19 @@ def start_up_warnings(cfg: Config, platform_kind: str) -> list[str]:
     return notes
 
 
+def join_world(cfg: Config, plat: Platform, layout: Layout) -> Optional[Groups]:
+    """This rank's device made current and the job's process groups; None for a job of one rank."""
+    if layout.world_size == 1:
+        return None
+    plat.bind()
+    return init_world(layout, plat.backend, cfg.run.dist_timeout_s, plat.learner_backend(cfg.model.learner_offload),
+                      every_engine_rank_takes_weights(cfg.model.rollout_engine, plat.kind, layout.tensor_parallel))
+
+
 @config.answers_usage  # -h/--help: every key with its default, exit 0; no arguments: the usage, exit 2
 def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     """The run; ``trainer_class`` is a user's subclass of :class:`Trainer` (README.md)."""
-    groups, restore_determinism = None, lambda: None
+    restore_determinism = None
     try:
         argv, inspection, *asked = split_inspection(argv)  # --plan / --dry_run [WORLD_SIZE] [--nnodes N]
         cfg = load_config(argv)
@@ -341,12 +350,7 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
             f"backend={plat.backend} moe_experts={experts_implementation(plat.kind)}")
         bind_host_cores(plat)  # before the run's threads and processes start: they inherit its cores
         stopping.watch(layout, out)  # Ctrl-C and SIGTERM end the run with one line from here on
-        if world_size > 1:
-            plat.bind()
-            groups = init_world(layout, plat.backend, cfg.run.dist_timeout_s,
-                                plat.learner_backend(cfg.model.learner_offload),
-                                every_engine_rank_takes_weights(cfg.model.rollout_engine, plat.kind,
-                                                                layout.tensor_parallel))
+        groups = join_world(cfg, plat, layout)
         seed_everything(cfg.run.seed + layout.rank)
         trainer = trainer_class(cfg, plat, derived, layout, groups, resume)  # checks the inputs; writes nothing
         if lead and (resumed := trainer.schedule.resumed_from) >= cfg.run.max_steps:
@@ -366,7 +370,8 @@ def main(argv: list[str], trainer_class: type[Trainer] = Trainer) -> int:
     finally:
         stopping.unwatch()
         leave_world()
-        restore_determinism()
+        if restore_determinism is not None:
+            restore_determinism()
     return 0
 
 

@@ -222,12 +222,16 @@ def test_the_engine_keeps_one_static_cache_for_every_call(model, monkeypatch):
     assert all(t._dynamo_static_input_type for t in storage())  # what torch._dynamo.mark_static_address sets
 
 
-def test_compiled_steps_one_graph_per_rows_and_attended_length_mutating_static_inputs(monkeypatch):
+@pytest.mark.parametrize("rollout_dtype", ["fp32", "fp8"])
+def test_compiled_steps_one_graph_per_rows_and_attended_length_mutating_static_inputs(rollout_dtype, monkeypatch):
     """Two calls of different prompt widths into one reserved cache, compiled: one graph per
     attended length met (filled positions rounded up to 16, 32, then the storage's 40), not per
     step, within the decoder's stated bound; and every input a graph mutates (the cache's keys,
     values and mask) is among the static inputs, so CUDA graphs take the step (inductor skips
-    graphs that mutate any other input)."""
+    graphs that mutate any other input: FP8's conversion workspace did). FP8 experts run grouped,
+    as on CUDA."""
+    from fp8 import Fp8Experts
+
     from torch._dynamo.backends.common import aot_autograd
 
     graphs = []
@@ -242,7 +246,9 @@ def test_compiled_steps_one_graph_per_rows_and_attended_length_mutating_static_i
     compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda step, mode, dynamic: compile(
         step, backend=aot_autograd(fw_compiler=inspect), dynamic=dynamic))
-    model = moe_model(layers=1)
+    monkeypatch.setattr(Fp8Experts, "implementation", "grouped")
+    model = convert_to_fp8(moe_model(torch.bfloat16, layers=1), torch.bfloat16) if rollout_dtype == "fp8" \
+        else moe_model(layers=1)
     decoder = engine_builtin._Decoder(model, device.decode_compile_mode("cpu", True, torch.float32))
     decoder.reserve(4, 20 + 20)
     steps = 0
@@ -296,3 +302,18 @@ def test_cuda_graphs_only_where_the_whole_decode_step_is_capturable(rollout_dtyp
     assert (device.decode_compile_mode("cuda", None, compute_dtype) == "reduce-overhead") == capturable, \
         (len(graphs), reads)
     assert capturable == (compute_dtype == torch.bfloat16), "the case this test is for has moved: read it again"
+
+
+def test_cached_attention_takes_attention_output_in_the_layout_cuda_kernels_return(monkeypatch):
+    """CUDA's fused attention kernels return [batch, length, heads, dim] memory under their
+    [batch, heads, length, dim] result, where the CPU's is contiguous; one decode step's
+    attention, whose query rows are a key-value head's query heads, must take either (the H200
+    check: a view of it raised at the demo's first decode step). Greedy tokens are the same."""
+    model = moe_model(layers=1)
+    ids, mask = prompts(4, 8)
+    run = lambda: generate(model, ids, mask, max_new_tokens=6, stop_ids=[], pad_id=0,  # noqa: E731
+                           sampling=Sampling(greedy=True)).response_ids
+    expected, attention = run(), torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: attention(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
+    assert torch.equal(run(), expected)

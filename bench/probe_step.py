@@ -1,7 +1,7 @@
 """One DAPO step of the probe (probe_model.py) through this project's own trainer, in one process.
 
     PYTHONPATH=. python bench/probe_step.py --out DIR [--layers 4] [--small] [--device auto] [--peak-tflops 989]
-        [--rollout-compile null]
+        [--rollout-compile null] [--set KEY=VALUE ...]
 
 Builds the probe in DIR/probe (about 6 GB for 4 layers; reused when built the same way), trains
 3 steps with train_dapo.main into DIR/probe_ours (bf16 rollout and learner, gradient
@@ -20,6 +20,8 @@ import json
 import statistics
 from pathlib import Path
 
+import torch
+
 import train_dapo
 from device import select_platform
 from probe_model import Probe, build_probe
@@ -30,7 +32,7 @@ MICRO_BATCH = 16
 RESULT_FILE = "probe_ours.json"
 
 
-def train_argv(probe: Probe, run_dir: Path, device: str, rollout_compile: str) -> list[str]:
+def train_argv(probe: Probe, run_dir: Path, device: str, rollout_compile: str, overrides: list[str]) -> list[str]:
     work = probe.work
     settings = {
         "model_path": probe.model_path, "dataset": probe.dataset, "reward_fn": "probe_model:zero_reward",
@@ -47,6 +49,7 @@ def train_argv(probe: Probe, run_dir: Path, device: str, rollout_compile: str) -
         "max_steps": STEPS, "val_every": 0, "save_every": 0, "log_completions": 0, "report_to": "csv",
         "device": device, "output_dir": run_dir, "overwrite_output_dir": "true",
     }
+    settings.update(override.split("=", 1) for override in overrides)
     return [item for key, value in settings.items() for item in (f"--{key}", str(value))]
 
 
@@ -71,6 +74,18 @@ def result_line(probe: Probe, means: dict[str, float], peak_memory: int | None, 
             f"{probe.work.new_tokens} tokens")
 
 
+def profiled(run, table: Path) -> int:
+    """``run()`` under torch.profiler; its ops by device time (by host time on a CPU) into ``table``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with profile(activities=activities) as profiler:
+        status = run()
+    order = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table.write_text(profiler.key_averages().table(sort_by=order, row_limit=30, max_name_column_width=70) + "\n")
+    return status
+
+
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -78,6 +93,10 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="a tiny geometry for a CPU (probe_model.py)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler over the run: the 30 ops of most device time to DIR/probe_profile.txt")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a training setting over the probe's own (use_remove_padding=false, ...), repeatable")
     parser.add_argument("--rollout-compile", choices=("true", "false", "null"), default="null",
                         help="rollout_compile (null: the platform's choice; on CUDA the decode step compiles once per "
                              "attended length, in step 1, which the means leave out)")
@@ -92,7 +111,9 @@ def main() -> int:
     if plat.module is not None:
         plat.module.reset_peak_memory_stats()  # the run's peak, not the build's
     run_dir = args.out / "probe_ours"
-    status = train_dapo.main(train_argv(probe, run_dir, args.device, args.rollout_compile))
+    argv = train_argv(probe, run_dir, args.device, args.rollout_compile, args.overrides)
+    status = profiled(lambda: train_dapo.main(argv), args.out / "probe_profile.txt") if args.profile \
+        else train_dapo.main(argv)
     if status != 0:
         return status  # train_dapo's one-line error is the last line of output, for the FAIL line
     peak_memory = plat.module.max_memory_allocated() if plat.module is not None else None

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Does this project run on this machine's GPU or NPU, and how fast? One command, meant to finish
-# within 6 minutes on one H200 (so far run only on a 2-core CPU, with PROBE_SMALL=1: 1 minute):
+# Does this project run on this machine's GPU or NPU, and how fast? One command: 263 s on one
+# H200 (docs/platform.md "One NVIDIA H200, the accelerator check"); on a 2-core CPU with
+# PROBE_SMALL=1 about 3 minutes:
 #
 #     bash bench/accelerator_check.sh
 #

@@ -20,8 +20,6 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-
 import train_dapo
 from device import select_platform
 from probe_model import Probe, build_probe
@@ -74,18 +72,6 @@ def result_line(probe: Probe, means: dict[str, float], peak_memory: int | None, 
             f"{probe.work.new_tokens} tokens")
 
 
-def profiled(run, table: Path) -> int:
-    """``run()`` under torch.profiler; its ops by device time (by host time on a CPU) into ``table``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
-    with profile(activities=activities) as profiler:
-        status = run()
-    order = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    table.write_text(profiler.key_averages().table(sort_by=order, row_limit=30, max_name_column_width=70) + "\n")
-    return status
-
-
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -93,8 +79,6 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="a tiny geometry for a CPU (probe_model.py)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
-    parser.add_argument("--profile", action="store_true",
-                        help="torch.profiler over the run: the 30 ops of most device time to DIR/probe_profile.txt")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a training setting over the probe's own (use_remove_padding=false, ...), repeatable")
     parser.add_argument("--rollout-compile", choices=("true", "false", "null"), default="null",
@@ -111,9 +95,7 @@ def main() -> int:
     if plat.module is not None:
         plat.module.reset_peak_memory_stats()  # the run's peak, not the build's
     run_dir = args.out / "probe_ours"
-    argv = train_argv(probe, run_dir, args.device, args.rollout_compile, args.overrides)
-    status = profiled(lambda: train_dapo.main(argv), args.out / "probe_profile.txt") if args.profile \
-        else train_dapo.main(argv)
+    status = train_dapo.main(train_argv(probe, run_dir, args.device, args.rollout_compile, args.overrides))
     if status != 0:
         return status  # train_dapo's one-line error is the last line of output, for the FAIL line
     peak_memory = plat.module.max_memory_allocated() if plat.module is not None else None

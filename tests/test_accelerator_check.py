@@ -61,3 +61,18 @@ def test_the_ipc_check_opens_this_cpus_shared_memory_in_another_process():
     proc = subprocess.run([sys.executable, "bench/ipc_check.py", "--device", "cpu", "--mb", "8"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("PASS ipc: cpu memory opened in place"), proc.stdout
+
+
+def test_the_probe_step_takes_the_check_s_compile_choice_and_settings_over_its_own():
+    """probe_step's --rollout-compile and --set reach train_dapo's command line, each key once,
+    the override in place of the probe's own value (the H200 check compared packing on and off)."""
+    from probe_step import train_argv
+
+    probe = Probe(folder=Path("unused"), layers=4, small=True, work=FULL_WORK, prompt_tokens=36, params=1,
+                  active_layer_params=1, lm_head_params=1)
+    argv = train_argv(probe, Path("run"), "cuda", "false", ["use_remove_padding=false", "seed=3"])
+    keys = argv[::2]
+    settings = dict(zip(keys, argv[1::2]))
+    assert len(keys) == len(set(keys))
+    assert settings["--rollout_compile"] == "false" and settings["--use_remove_padding"] == "false"
+    assert settings["--seed"] == "3" and settings["--rollout_dtype"] == "bf16"

@@ -228,9 +228,7 @@ def test_compiled_steps_one_graph_per_rows_and_attended_length_mutating_static_i
     attended length met (filled positions rounded up to 16, 32, then the storage's 40), not per
     step, within the decoder's stated bound; and every input a graph mutates (the cache's keys,
     values and mask) is among the static inputs, so CUDA graphs take the step (inductor skips
-    graphs that mutate any other input: FP8's conversion workspace did). FP8 experts run grouped,
-    as on CUDA."""
-    from fp8 import Fp8Experts
+    graphs that mutate any other input: FP8's conversion workspace did)."""
 
     from torch._dynamo.backends.common import aot_autograd
 
@@ -246,7 +244,6 @@ def test_compiled_steps_one_graph_per_rows_and_attended_length_mutating_static_i
     compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda step, mode, dynamic: compile(
         step, backend=aot_autograd(fw_compiler=inspect), dynamic=dynamic))
-    monkeypatch.setattr(Fp8Experts, "implementation", "grouped")
     model = convert_to_fp8(moe_model(torch.bfloat16, layers=1), torch.bfloat16) if rollout_dtype == "fp8" \
         else moe_model(layers=1)
     decoder = engine_builtin._Decoder(model, device.decode_compile_mode("cpu", True, torch.float32))
@@ -276,11 +273,13 @@ def _reads_the_host(node) -> bool:
 
 @pytest.mark.parametrize("rollout_dtype", ["fp32", "bf16", "fp8"])
 def test_cuda_graphs_only_where_the_whole_decode_step_is_capturable(rollout_dtype, monkeypatch):
-    """A CUDA graph replays one capture: a step that reads the device on the host cannot be
-    captured (the copy raises during capture) or is replayed with the values of its capture. The
-    mode CUDA gets by default for each rollout dtype (reduce-overhead: CUDA graphs) agrees with
-    the compiled step traced here (one graph for one step shape, with no op that reads the host).
-    FP8 experts run grouped, as on CUDA (the CPU runs them dense at this size)."""
+    """A CUDA graph replays one capture: an op inside a compiled graph that reads the device on
+    the host cannot be captured (the copy raises during capture) or is replayed with the values
+    of its capture. The mode CUDA gets by default for each rollout dtype (reduce-overhead: CUDA
+    graphs) agrees with the compiled step traced here: no graph holds an op that reads the host.
+    (A graph break is no such hazard: the Python between two graphs runs eagerly; transformers
+    5.5.4 breaks at its version checks, 5.19 does not.) FP8 experts run grouped, as on CUDA (the
+    CPU runs them dense at this size)."""
     from torch._dynamo.backends.common import aot_autograd
 
     from fp8 import Fp8Experts
@@ -298,9 +297,8 @@ def test_cuda_graphs_only_where_the_whole_decode_step_is_capturable(rollout_dtyp
     generate(model, ids, mask, max_new_tokens=6, stop_ids=[], pad_id=0, sampling=Sampling(greedy=True),
              decoder=decoder)  # 9 to 14 positions filled: one attended length, one step shape
     reads = sorted({str(node.target) for graph in graphs for node in graph.nodes if _reads_the_host(node)})
-    capturable = len(graphs) == 1 and not reads
-    assert (device.decode_compile_mode("cuda", None, compute_dtype) == "reduce-overhead") == capturable, \
-        (len(graphs), reads)
+    capturable = bool(graphs) and not reads
+    assert (device.decode_compile_mode("cuda", None, compute_dtype) == "reduce-overhead") == capturable, reads
     assert capturable == (compute_dtype == torch.bfloat16), "the case this test is for has moved: read it again"
 
 

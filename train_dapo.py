@@ -149,7 +149,8 @@ class Trainer:
         step's start; advantages [n]: compute_advantages's; response_mask [n, T] bool: the tokens
         the loss counts (rollout_rs's rejected ones left out); is_weights [n, T] or None: the
         rollout correction's truncated importance weights, to multiply into each token's term
-        (None unless rollout_is is set). loss_agg_mode and normalizer (the whole mini-batch's token,
+        before aggregating, which only the loss can do (None unless rollout_is is set); the
+        weights and the rejection are computed outside, once per step. loss_agg_mode and normalizer (the whole mini-batch's token,
         or sequence, count, over every micro-batch and learner) are dapo_loss.aggregate's, so the
         micro-batches' losses add up to the mini-batch's. Returns (scalar loss, metrics): any of
         learner.PG_METRICS as means over this call's tokens; one left out is empty in metrics.csv.

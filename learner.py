@@ -10,12 +10,13 @@ The algorithm's math is in dapo_loss.py; this file only feeds it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ import packing
 import rollout_correction
 import routing
 import throughput
-from config import Config, Derived, OptimConfig, UserError, uses_fsdp
+from config import AlgoConfig, Config, Derived, OptimConfig, UserError, uses_fsdp
 from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
 from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
@@ -36,8 +37,43 @@ from ranks import (Groups, Layout, all_reduce_max, all_reduce_sum, all_reduce_te
                    wait_for_group)
 from samples import SampleBatch
 
+# The metrics a policy loss (PolicyLoss) may report, each a mean over its call's valid tokens;
+# dapo_loss.policy_loss reports all three. One a loss leaves out is empty in metrics.csv.
+PG_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
 # Summed over micro-batches and learners, then averaged over optimizer steps (metrics.csv).
-LOSS_METRICS = ("policy_loss", "kl", "entropy", "length_penalty", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+LOSS_METRICS = ("policy_loss", "kl", "entropy", "length_penalty", *PG_METRICS)
+
+
+class PolicyLoss(Protocol):
+    """The policy-gradient term of the loss, with its aggregation: the seam Trainer.policy_loss
+    fills (its docstring states the contract). Tensors and plain numbers in, (scalar loss,
+    metrics of PG_METRICS as tensors or floats) out; no config, no model."""
+
+    def __call__(self, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, *, loss_agg_mode: str, normalizer: float,
+                 is_weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Union[torch.Tensor, float]]]: ...
+
+
+def dapo_policy_loss(algo: AlgoConfig) -> PolicyLoss:
+    """DAPO's clipped loss (dapo_loss.policy_loss) with the run's clip ratios: the default policy
+    loss, of Trainer.policy_loss and of a Learner.update that is given none."""
+    return functools.partial(dapo_loss.policy_loss, clip_ratio_low=algo.clip_ratio_low,
+                             clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c)
+
+
+def add_pg_metrics(sums: dict[str, torch.Tensor], reported: set[str], loss: torch.Tensor, metrics: dict[str, Any],
+                   share: float) -> None:
+    """Add a policy loss's ``metrics`` (means over its tokens, ``share`` of the mini-batch's) into
+    ``sums``, their names into ``reported``; a loss that is not a scalar, or a metric that is not
+    one of PG_METRICS, is a mistake in an overriding loss, said here rather than as a missing
+    column later."""
+    if loss.dim() != 0:
+        raise ValueError(f"policy_loss must return a scalar loss, got shape {tuple(loss.shape)}")
+    if unknown := sorted(set(metrics) - set(PG_METRICS)):
+        raise ValueError(f"policy_loss returned metrics {unknown}; it may report {', '.join(PG_METRICS)}")
+    for key, value in metrics.items():
+        sums[key] += (value.detach() if isinstance(value, torch.Tensor) else value) * share
+    reported.update(metrics)
 
 
 # Hugging Face model_type values whose models this trainer and both engines run: decoder-only
@@ -389,8 +425,10 @@ class Learner:
 
     # ----- the update ---------------------------------------------------------------------------
 
-    def update(self, batch: SampleBatch, advantages: torch.Tensor, step: int) -> dict[str, Any]:
-        """Train on the step's samples: mini-batches of optimizer steps, micro-batches of backward.
+    def update(self, batch: SampleBatch, advantages: torch.Tensor, step: int,
+               policy_loss: Optional[PolicyLoss] = None) -> dict[str, Any]:
+        """Train on the step's samples: mini-batches of optimizer steps, micro-batches of backward;
+        the policy-gradient term is ``policy_loss`` (default :func:`dapo_policy_loss`).
 
         Each pass over the step draws one order of all rows and cuts it into mini-batches of
         ``minibatch_sequences`` rows per learner; each mini-batch is dealt out to the learners in
@@ -398,6 +436,7 @@ class Learner:
         and the update, do not depend on the number of learners or of micro-batches.
         """
         cfg, learners, me = self.cfg, self.layout.num_learners, self.layout.learner_index
+        policy_loss = policy_loss or dapo_policy_loss(cfg.algo)
         self.policy.train()
         self.meter.reset()
         mask = batch.response_mask
@@ -424,15 +463,17 @@ class Learner:
         # Summed where they are computed: a read into Python would wait for each backward before
         # the next forward is queued; reduce_metrics reads them once per step.
         sums = {key: torch.zeros((), device=self.plat.device) for key in LOSS_METRICS}
+        reported: set[str] = set()  # the PG_METRICS that policy_loss returns
         grad_norms = []
         with self.meter.timed("update"):  # ends with the last optimizer step's read of the gradient norm
             for epoch in range(cfg.optim.ppo_epochs):
                 order = torch.randperm(mask.shape[0], generator=step_generator(cfg.run.seed, step, epoch))
                 for minibatch in order.split(self.derived.minibatch_sequences * learners):
-                    self.accumulate_minibatch(batch, per_row, minibatch, self.kl_coef_at(step), sums)
+                    self.accumulate_minibatch(batch, per_row, minibatch, self.kl_coef_at(step), sums, policy_loss,
+                                              reported)
                     grad_norms.append(self.optimizer_step(step))
         return {**self.reduce_metrics(sums, gaps, grad_norms, routing_counts, kl_coef=self.kl_coef_at(step),
-                                      lr=self.lr_at(step)),
+                                      lr=self.lr_at(step), reported=reported),
                 **correction.metrics}
 
     def shared_logprobs(self, model: torch.nn.Module, batch: SampleBatch, shares: list[torch.Tensor],
@@ -448,9 +489,13 @@ class Learner:
         return logp
 
     def accumulate_minibatch(self, batch: SampleBatch, per_row: StepTensors, minibatch: torch.Tensor,
-                             kl_coef: float, sums: dict[str, torch.Tensor]) -> None:
+                             kl_coef: float, sums: dict[str, torch.Tensor], policy_loss: PolicyLoss,
+                             reported: set[str]) -> None:
         """Backward over this learner's rows of one mini-batch (``minibatch``: every learner's rows),
-        adding its metrics into ``sums`` on the device."""
+        adding its metrics into ``sums`` on the device and the PG_METRICS ``policy_loss`` gave into
+        ``reported``.
+        The KL, entropy and length terms are added here, outside ``policy_loss``: regularisers of
+        the run's settings that any policy-gradient estimator keeps (verl adds them outside too)."""
         algo, learners = self.cfg.algo, self.layout.num_learners
         shares = self.shares(minibatch)
         # As in verl, rejected tokens leave the token-mean's denominator (it counts the loss mask),
@@ -470,11 +515,9 @@ class Learner:
                 logp, entropy = self.sequence_logprobs(self.policy, part, with_entropy=True,
                                                        entropy_grad=algo.entropy_coeff != 0, packed=packed)
                 on_device = lambda t: t[chunk, :width].to(self.plat.device) if t is not None else None  # noqa: E731
-                pg_loss, pg_metrics = dapo_loss.policy_loss(
+                pg_loss, pg_metrics = policy_loss(
                     logp, on_device(per_row.old_logp), per_row.advantages[chunk].to(self.plat.device), part_mask,
-                    clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-                    clip_ratio_c=algo.clip_ratio_c, loss_agg_mode=algo.loss_agg_mode, normalizer=normalizer,
-                    is_weights=on_device(per_row.is_weights))
+                    loss_agg_mode=algo.loss_agg_mode, normalizer=normalizer, is_weights=on_device(per_row.is_weights))
                 entropy_term = dapo_loss.aggregate(entropy, part_mask, algo.loss_agg_mode, normalizer)
                 loss = pg_loss - algo.entropy_coeff * entropy_term
                 share = int(host_mask.sum()) / tokens  # the metrics are means over tokens
@@ -494,12 +537,13 @@ class Learner:
                 (loss * learners).backward()
             sums["policy_loss"] += pg_loss.detach()
             sums["entropy"] += entropy_term.detach()
-            for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-                sums[key] += pg_metrics[key] * share
+            add_pg_metrics(sums, reported, pg_loss, pg_metrics, share)
 
     def reduce_metrics(self, sums: dict[str, torch.Tensor], gaps: dict[str, torch.Tensor], grad_norms: list[float],
-                       routing_counts: torch.Tensor, *, kl_coef: float, lr: float) -> dict[str, Any]:
-        """The step's metrics, summed over learners and averaged over optimizer steps; the
+                       routing_counts: torch.Tensor, *, kl_coef: float, lr: float,
+                       reported: set[str]) -> dict[str, Any]:
+        """The step's metrics, summed over learners and averaged over optimizer steps (empty: the
+        KL without a reference model, the PG_METRICS not ``reported`` by the policy loss); the
         rollout/learner log-prob gaps over all tokens and over the engine's own (``gaps``); the
         fraction of routing decisions the learner's own router made otherwise (``routing_counts``)."""
         keys = list(sums)
@@ -518,6 +562,7 @@ class Learner:
         result = {k: v / count for k, v in zip(keys, totals)}
         if self.ref_model is None:
             result["kl"] = None
+        result.update({key: None for key in PG_METRICS if key not in reported})
         routing_differ, routing_decisions, gap_sum, gap_count, engine_sum, engine_count = totals[-6:]
         result.update(grad_norm=sum(grad_norms) / count, kl_coef=kl_coef, lr=lr,
                       mismatch_mean=gap_sum / max(gap_count, 1.0), mismatch_max=gap_max,

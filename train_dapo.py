@@ -7,7 +7,8 @@ choreography: who sends what to whom, in which order (docs/design.md).
 The work lives with its role: rollout.py (generation, rewards, dynamic sampling, validation),
 learner.py (FSDP2 learners, the DAPO update), ckpt.py (what a checkpoint holds, what a resume
 checks), ranks.py (what crosses between ranks). To change the algorithm, subclass
-:class:`Trainer` and override :meth:`Trainer.compute_advantages` or :meth:`Trainer.update_policy`.
+:class:`Trainer` and override :meth:`Trainer.compute_advantages`, :meth:`Trainer.policy_loss` or
+:meth:`Trainer.update_policy`.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from config import Config, Derived, Schedule, UserError, load_config, split_insp
 from data_prep import check_reward_on_data, load_run_inputs
 from device import (Platform, bind_host_cores, experts_implementation, seed_everything, select_platform,
                     use_deterministic_algorithms, write_env_report)
-from learner import Learner, check_model_type, uses_reference_model
+from learner import Learner, check_model_type, dapo_policy_loss, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, all_reduce_sum, at_step,
                    broadcast_samples, finish_together, init_world, leave_world, phase)
@@ -61,8 +62,11 @@ class Trainer:
     """DAPO on one process (both roles) or on a rank of a torchrun job (one role).
 
     Override points (article 4.1): ``compute_advantages(batch) -> Tensor[N]``, one advantage per
-    response (default: DAPO's, group-relative); ``update_policy(batch, advantages) -> dict``, one
-    training step on the step's samples, returning metrics.csv values (keys of metrics.COLUMNS).
+    response (default: DAPO's, group-relative); ``policy_loss(log_prob, old_log_prob, advantages,
+    response_mask, *, loss_agg_mode, normalizer, is_weights) -> (loss, metrics)``, the
+    policy-gradient term of each micro-batch (default: DAPO's clipped loss);
+    ``update_policy(batch, advantages) -> dict``, the whole training step on the step's samples,
+    returning metrics.csv values (keys of metrics.COLUMNS).
 
     The choreography, with s = max_staleness and v_k the weights after k updates: the lead
     learner collects step j's samples, which rollout generated with v_max(0, j-1-s), sends v_(j-1)
@@ -135,9 +139,32 @@ class Trainer:
         """Group-relative advantages, one per response (docs/algorithm.md §2)."""
         return dapo_loss.group_advantages(batch.reward, batch.group_size, norm_by_std=self.cfg.algo.norm_adv_by_std)
 
+    def policy_loss(self, log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                    response_mask: torch.Tensor, *, loss_agg_mode: str, normalizer: float,
+                    is_weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The policy-gradient term of one micro-batch's loss and its aggregation (docs/algorithm.md
+        §4; default: DAPO's clipped loss, dapo_loss.policy_loss with the run's clip ratios).
+
+        log_prob [n, T]: the policy's, with gradient; old_log_prob [n, T]: the learner's at the
+        step's start; advantages [n]: compute_advantages's; response_mask [n, T] bool: the tokens
+        the loss counts (rollout_rs's rejected ones left out); is_weights [n, T] or None: the
+        rollout correction's truncated importance weights, to multiply into each token's term
+        before aggregating, which only the loss can do (None unless rollout_is is set); the
+        weights and the rejection are computed outside, once per step. loss_agg_mode and normalizer (the whole mini-batch's token,
+        or sequence, count, over every micro-batch and learner) are dapo_loss.aggregate's, so the
+        micro-batches' losses add up to the mini-batch's. Returns (scalar loss, metrics): any of
+        learner.PG_METRICS as means over this call's tokens; one left out is empty in metrics.csv.
+        The learner adds the KL, entropy and length-penalty terms outside: regularisers that any
+        estimator keeps, as verl's policy losses leave them out. Settings come from self.cfg.
+        """
+        return dapo_policy_loss(self.cfg.algo)(log_prob, old_log_prob, advantages, response_mask,
+                                               loss_agg_mode=loss_agg_mode, normalizer=normalizer,
+                                               is_weights=is_weights)
+
     def update_policy(self, batch: SampleBatch, advantages: torch.Tensor) -> dict[str, Any]:
-        """One training step on the step's samples (learner.py); returns metrics.csv values."""
-        return self.learner.update(batch, advantages, self.step)
+        """One training step on the step's samples (learner.py), its loss's policy-gradient term
+        :meth:`policy_loss`; returns metrics.csv values."""
+        return self.learner.update(batch, advantages, self.step, policy_loss=self.policy_loss)
 
     # ----- rollout ranks ------------------------------------------------------------------------
 

@@ -5,6 +5,11 @@ across sections, so ``--kl_coef 0.01`` and a YAML ``kl_coef: 0.01`` (at the top 
 section heading) mean the same thing. The user's settings are never mutated after loading; values
 derived from them live in :class:`Derived`.
 
+Each key is declared once, as a field of its section's dataclass made by :func:`key`: its type
+(the annotation), default, line of ``--help``, the check of its value alone and whether a resume
+may change it without a warning. ``--help`` (:data:`KEY_HELP`), :func:`validate` and the resume's
+warning (:data:`RESUMABLE_KEYS`) read them from there.
+
 Bad input raises :class:`ConfigError` with one line that names the key; ``train_dapo.py`` prints
 it and exits with status 2.
 """
@@ -33,80 +38,193 @@ class ConfigError(UserError):
     """A user mistake in the configuration; the message is one line naming the key."""
 
 
+# ----- each key declared once: type (the annotation), default, help, check, resumable ----------
+
+# A check sees one key's value (null, where a key allows it, always passes: it means a default the
+# run works out) and returns None when the value will do, else what is wrong with it, which the
+# error message puts after the key's name. Checks that weigh one key against another stay in
+# validate.
+Check = Callable[[Any], Optional[str]]
+
+
+def key(default: Any, help: str, *, resumable: bool, check: Optional[Check] = None) -> Any:
+    """A config key's field. ``help``: its line of --help. ``resumable``: a resume may change it
+    without a warning, because it cannot change what the run computes (samples, rewards, losses,
+    weights and the metrics measured from them): only where and how often the run writes and
+    reports, how it plans memory, how long it waits. ``check``: the test of a value on its own.
+    A list default is copied for each instance (a dataclass refuses a shared mutable one)."""
+    metadata = {"help": help, "resumable": resumable, "check": check}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def at_least(low: int, note: str = "") -> Check:
+    return lambda value: None if value >= low else f"must be >= {low}{note}"
+
+
+def above(low: int, note: str = "") -> Check:
+    return lambda value: None if value > low else f"must be > {low}{note}"
+
+
+def _probability(value: float) -> Optional[str]:
+    return None if 0 < value <= 1 else "must be in (0, 1]"
+
+
+def _clip_epsilon(value: float) -> Optional[str]:
+    if value < 0:
+        return "must be >= 0"
+    return None if value < 1 else "must be < 1: it is an epsilon, the ratio floor is 1 - clip_ratio_low"
+
+
+# What report_to takes: csv (metrics.csv, always written: checkpoints keep it), console (verl's
+# name for the console line, always printed), tensorboard and wandb (optional extras), none
+# (neither extra).
+REPORTERS = ("csv", "console", "tensorboard", "wandb", "none")
+
+
+def _reporters(value: list[str]) -> Optional[str]:
+    if not set(value) <= set(REPORTERS):
+        return f"takes {', '.join(REPORTERS)}, got {value}"
+    if "none" in value and len(set(value)) != 1:
+        return f"none means no reporter but the console and metrics.csv: give it alone, got {value}"
+    return None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    model_path: str = "runs/demo_assets/model"
-    reward_model: Optional[str] = None  # a sequence-classification model; when set it replaces reward_fn
-    reward_fn: str = "math_answer"  # built-in rule name or "module:function"
-    rollout_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
-    rollout_engine: Literal["builtin", "vllm"] = "builtin"  # what generates: our decode loop or vLLM (engine.py)
-    rollout_tensor_parallel: int = 1  # vLLM: one engine over the devices of this many consecutive rollout ranks
-    learner_dtype: Literal["fp32", "bf16"] = "bf16"
-    gradient_checkpointing: bool = False
-    learner_offload: bool = False  # FSDP2 keeps parameters, gradients and AdamW state in host memory
+    model_path: str = key("runs/demo_assets/model", "Hugging Face model folder (config.json, tokenizer, safetensors "
+                          "weights); never downloaded", resumable=False)  # the KL's reference model loads from it
+    reward_model: Optional[str] = key(None, "sequence-classification reward model folder; when set it scores "
+                                      "responses instead of reward_fn", resumable=False)
+    reward_fn: str = key("math_answer", "rule reward: math_answer, math_verify (the math extra), demo_arithmetic, "
+                         "or module:function", resumable=False)
+    rollout_dtype: Literal["fp32", "bf16", "fp8"] = key(
+        "bf16", "dtype of the rollout copy of the weights (fp8: README \"FP8 rollout\")", resumable=False)
+    rollout_engine: Literal["builtin", "vllm"] = key(
+        "builtin", "what generates: the built-in decode loop, or one vLLM engine per rollout rank (README \"vLLM "
+        "rollout\")", resumable=False)
+    rollout_tensor_parallel: int = key(
+        1, "vLLM: one engine per this many consecutive rollout ranks, tensor parallel over their devices; the "
+        "others hold no model (must divide the rollout ranks)", resumable=False,
+        check=at_least(1, " (devices per rollout engine)"))
+    learner_dtype: Literal["fp32", "bf16"] = key(
+        "bf16", "learner compute dtype (bf16: FSDP2 mixed precision over fp32 master weights)", resumable=False)
+    # Recomputed activations may take other kernels than the forward's: not resumable.
+    gradient_checkpointing: bool = key(False, "recompute activations in the backward pass", resumable=False)
+    learner_offload: bool = key(False, "keep the learners' parameters, gradients and AdamW state in host memory "
+                                "(needs torchrun)", resumable=False)  # AdamW then steps on the CPU
     # verl's name: the learner's forwards run on each micro-batch's real tokens packed into one row
-    use_remove_padding: bool = True
-    eos_token_ids: list[int] = field(default_factory=list)  # stop ids on top of the tokenizer's EOS
+    use_remove_padding: bool = key(
+        True, "the learner's forwards (old log-probs, reference, update) compute each micro-batch's real tokens "
+        "packed into one row, attention kept inside each sequence; false: rows padded to the micro-batch's "
+        "longest", resumable=False)
+    eos_token_ids: list[int] = key([], "stop token ids besides the tokenizer's EOS, e.g. [151645, 151643] for "
+                                   "Qwen3", resumable=False)
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = "runs/demo_assets/train.jsonl"
-    val_dataset: Optional[str] = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    system_prompt: Optional[str] = None
-    max_prompt_length: int = 2048
-    overlong_prompts: Literal["drop", "truncate_left"] = "drop"
-    skip_bad_rows: bool = False
-    bucket_size: int = 1024
+    dataset: str = key("runs/demo_assets/train.jsonl", "training prompts: JSONL, JSON or Parquet", resumable=False)
+    val_dataset: Optional[str] = key(None, "validation prompts, same formats; null = no validation", resumable=False)
+    prompt_key: str = key("prompt", "row field holding the prompt (a string or a list of chat messages)",
+                          resumable=False)
+    answer_key: str = key("answer", "row field holding the reference answer the reward reads", resumable=False)
+    system_prompt: Optional[str] = key(None, "system message put before every prompt that has none; null = none",
+                                       resumable=False)
+    max_prompt_length: int = key(2048, "longest prompt in tokens; longer ones are handled as overlong_prompts says",
+                                 resumable=False, check=at_least(1))
+    overlong_prompts: Literal["drop", "truncate_left"] = key(
+        "drop", "what happens to a prompt over max_prompt_length: dropped (counted) or cut on the left",
+        resumable=False)
+    skip_bad_rows: bool = key(False, "skip and count malformed rows instead of stopping", resumable=False)
+    bucket_size: int = key(1024, "generation batches pad to their length bucket's bound, so shapes repeat",
+                           resumable=False, check=at_least(1))
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    max_response_length: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    sample_num: int = 8
-    prompts_per_step: int = 32
-    dynamic_sampling: bool = True
+    max_response_length: int = key(2048, "longest response in tokens", resumable=False, check=at_least(1))
+    temperature: float = key(1.0, "sampling temperature for training responses", resumable=False,
+                             check=above(0, " (use val_temperature 0 for greedy validation)"))
+    top_p: float = key(1.0, "nucleus sampling for training responses", resumable=False, check=_probability)
+    sample_num: int = key(8, "responses per prompt (the group)", resumable=False, check=at_least(1))
+    prompts_per_step: int = key(32, "informative groups trained on per step", resumable=False, check=at_least(1))
+    dynamic_sampling: bool = key(True, "DAPO dynamic sampling: keep only groups whose metric varies, generate more "
+                                 "until full", resumable=False)
     # auto: acc where the reward has a notion of correct (a rule), else reward (a reward model),
     # as DAPO filters; with overlong shaping, reward would keep all-wrong groups that differ in length.
-    dynamic_sampling_metric: Literal["auto", "reward", "acc"] = "auto"
-    max_gen_batches: int = 10
-    val_temperature: float = 0.0  # 0 = greedy validation
-    val_top_p: float = 1.0  # nucleus for validation when val_temperature > 0
-    val_max_prompts: int = 0  # 0 = the whole validation set
-    rollout_stop_check_every: int = 8  # built-in engine: decode steps between host reads of "all rows done?"
-    rollout_compile: Optional[bool] = None  # built-in engine: compile the decode step; null = the platform's choice
-    rollout_enforce_eager: Optional[bool] = None  # vLLM: no graphs; null = graphs on CUDA alone (device.py)
+    dynamic_sampling_metric: Literal["auto", "reward", "acc"] = key(
+        "auto", "what must vary in a group: acc (right/wrong) or reward; auto = acc with a rule reward",
+        resumable=False)
+    max_gen_batches: int = key(10, "stop with an error after this many generation batches in one step (0 = no "
+                               "limit)", resumable=False, check=at_least(0, " (0 = no limit)"))
+    # Validation's settings change the validation metrics and the overfit alarm: not resumable.
+    val_temperature: float = key(0.0, "validation temperature (0 = greedy)", resumable=False,
+                                 check=at_least(0, " (0 = greedy)"))
+    val_top_p: float = key(1.0, "validation nucleus when val_temperature > 0", resumable=False, check=_probability)
+    val_max_prompts: int = key(0, "validation prompts used (0 = the whole set)", resumable=False)
+    # The host's checks decide when finished rows leave the batch, and a batch of other rows may
+    # take other kernels on a device: not resumable.
+    rollout_stop_check_every: int = key(
+        8, "built-in engine: decode steps between the host's checks that every row has stopped", resumable=False,
+        check=at_least(1, " (decode steps per host check)"))
+    rollout_compile: Optional[bool] = key(None, "built-in engine: torch.compile the decode step (null: on on CUDA, "
+                                          "in CUDA graphs for bf16 and fp8 rollouts; off on CPU and NPU)",
+                                          resumable=False)
+    rollout_enforce_eager: Optional[bool] = key(
+        None, "vLLM: run eagerly, no graphs (null: CUDA graphs on CUDA for 1 up to an engine's sequences a call; "
+        "eager on CPU, where vLLM would compile instead, and on NPU)", resumable=False)
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float = 10.0
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    norm_adv_by_std: bool = True
-    kl_coef: float = 0.0
-    kl_coef_init: Optional[float] = None  # used for the first kl_warmup_steps; None = kl_coef throughout
-    kl_warmup_steps: int = 0
-    kl_type: Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"] = "low_var_kl"
-    length_penalty_coef: float = 0.0
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    entropy_coeff: float = 0.0
-    tis_cap: float = 0.0  # the old name of rollout_is token with rollout_is_threshold tis_cap; 0 = off
+    clip_ratio_low: float = key(0.2, "clip epsilon below: the ratio floor is 1 - clip_ratio_low", resumable=False,
+                                check=_clip_epsilon)
+    clip_ratio_high: float = key(0.28, "clip epsilon above (DAPO clip-higher): the ratio ceiling is 1 + "
+                                 "clip_ratio_high", resumable=False, check=at_least(0))
+    clip_ratio_c: float = key(10.0, "dual-clip bound for negative advantages (> 1)", resumable=False,
+                              check=above(1, " (dual clip)"))
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = key(
+        "token-mean", "how token losses are averaged into the step's loss", resumable=False)
+    norm_adv_by_std: bool = key(True, "divide group advantages by the group's spread (false: Dr.GRPO)",
+                                resumable=False)
+    kl_coef: float = key(0.0, "weight of the KL to the reference model (0 = no reference model is loaded)",
+                         resumable=False)
+    kl_coef_init: Optional[float] = key(None, "KL weight for the first kl_warmup_steps steps; null = kl_coef "
+                                        "throughout", resumable=False)
+    kl_warmup_steps: int = key(0, "training steps that use kl_coef_init", resumable=False)
+    kl_type: Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"] = key("low_var_kl", "KL estimator",
+                                                                               resumable=False)
+    length_penalty_coef: float = key(0.0, "weight of the length penalty (docs/algorithm.md section 5)",
+                                     resumable=False)
+    overlong_buffer_len: int = key(0, "DAPO soft overlong punishment: tokens before max_response_length where it "
+                                   "starts (0 = off)", resumable=False)
+    overlong_penalty_factor: float = key(1.0, "DAPO soft overlong punishment at max_response_length",
+                                         resumable=False)
+    entropy_coeff: float = key(0.0, "entropy bonus (entropy is always logged)", resumable=False)
+    tis_cap: float = key(0.0, "old name: tis_cap C is rollout_is token with rollout_is_threshold C (0 = off)",
+                         resumable=False)
     # Rollout correction as verl names it (rollout_correction.py): importance weights and rejection.
-    rollout_is: Optional[Literal["token", "sequence"]] = None
-    rollout_is_threshold: str = "2.0"  # "C": truncate at C (TIS); "L_U": weight 0 outside [L, U] (IcePop)
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: Optional[str] = None  # comma-separated rejection modes, e.g. "token_k1,seq_max_k2"
-    rollout_rs_threshold: Optional[str] = None  # one for every mode, or one per mode
+    rollout_is: Optional[Literal["token", "sequence"]] = key(
+        None, "importance weights for the rollout/learner mismatch, per token or per sequence [token | sequence] "
+        "(null = off)", resumable=False)
+    rollout_is_threshold: str = key(
+        "2.0", "C: weights truncated at C (TIS; 2.0 with FP8 rollout); 'L_U': weight 0 outside [L, U] (IcePop; "
+        "quote it in YAML)", resumable=False)
+    rollout_is_batch_normalize: bool = key(
+        False, "divide the importance weights by their mean over the step's tokens (or sequences)", resumable=False)
+    rollout_rs: Optional[str] = key(
+        None, "rejection: comma-separated token_k1/2/3, seq_sum_k1/2/3, seq_mean_k1/2/3, seq_max_k2/3; a token must "
+        "pass all (null = off)", resumable=False)
+    rollout_rs_threshold: Optional[str] = key(
+        None, "per rollout_rs mode, comma-separated (or one for all): k1 a ratio band 'L_U' (U alone: 1/U_U), k2/k3 "
+        "an upper bound", resumable=False)
     # Routing replay (R3; verl: router_replay.mode R3, Megatron: moe_enable_routing_replay): the
     # learner routes each token to the experts rollout chose (routing.py).
-    routing_replay: bool = False
+    routing_replay: bool = key(
+        False, "MoE: the engine records each token's top-k experts per layer and the learner's forwards route to "
+        "them, gate weights from its own router (R3; README \"Routing replay\")", resumable=False)
 
     def importance_sampling(self) -> tuple[Optional[str], str]:
         """(rollout_is, rollout_is_threshold), tis_cap read as what it always meant: token-level
@@ -118,21 +236,34 @@ class AlgoConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    learning_rate: float = 1e-6
-    lr_warmup_steps: int = 0  # training steps (not optimizer steps), as verl counts them
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    per_device_batch_size: int = 4
-    gradient_accumulation_steps: int = 8
-    ppo_epochs: int = 1
+    learning_rate: float = key(1e-6, "AdamW learning rate (large MoE models: ~1e-6)", resumable=False,
+                               check=above(0))
+    lr_warmup_steps: int = key(0, "linear warmup over this many training steps (as verl counts them)",
+                               resumable=False)  # training steps, not optimizer steps
+    weight_decay: float = key(0.1, "AdamW weight decay", resumable=False)
+    grad_clip: float = key(1.0, "gradient norm clip", resumable=False)
+    # Batch shapes are not resumable either: a forward over other rows may take other kernels.
+    per_device_batch_size: int = key(4, "sequences per micro-batch on a learner rank", resumable=False,
+                                     check=at_least(1))
+    gradient_accumulation_steps: int = key(8, "micro-batches per optimizer step", resumable=False, check=at_least(1))
+    ppo_epochs: int = key(1, "passes over a step's samples", resumable=False, check=at_least(1))
     # Sequences per forward of the no-grad log-probs (old log-probs, the KL reference), as verl's
     # log_prob_micro_batch_size: without a graph to keep they can take more rows than training.
-    log_prob_batch_size: Optional[int] = None  # None = per_device_batch_size
+    log_prob_batch_size: Optional[int] = key(
+        None, "sequences per no-grad forward of the old and reference log-probs on a learner rank (null = "
+        "per_device_batch_size)", resumable=False, check=at_least(1, " (null = per_device_batch_size)"))
     # verl's names: micro-batches filled by real tokens (prompt + response) up to a budget per
     # learner rank instead of a number of rows; the mini-batches, and so the optimizer steps, stay.
-    use_dynamic_bsz: bool = False
-    ppo_max_token_len_per_gpu: int = 16384
-    log_prob_max_token_len_per_gpu: Optional[int] = None  # None = ppo_max_token_len_per_gpu
+    use_dynamic_bsz: bool = key(
+        False, "micro-batches filled by real tokens up to ppo_max_token_len_per_gpu (the forwards of log-probs: "
+        "log_prob_max_token_len_per_gpu) instead of per_device_batch_size rows; the mini-batches stay; a longer "
+        "row is a micro-batch of its own", resumable=False)
+    ppo_max_token_len_per_gpu: int = key(
+        16384, "with use_dynamic_bsz: real tokens (prompt + response) per training micro-batch on a learner rank "
+        "(--plan says which fits)", resumable=False, check=at_least(1))
+    log_prob_max_token_len_per_gpu: Optional[int] = key(
+        None, "with use_dynamic_bsz: real tokens per no-grad forward of the old and reference log-probs (null = "
+        "ppo_max_token_len_per_gpu)", resumable=False, check=at_least(1, " (null = ppo_max_token_len_per_gpu)"))
 
     @property
     def log_prob_rows(self) -> int:
@@ -152,41 +283,84 @@ class OptimConfig:
         return self.log_prob_max_token_len_per_gpu or self.ppo_max_token_len_per_gpu
 
 
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    config: Optional[str] = None
-    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    seed: int = 0
+    """What a resume may change (resumable): the YAML's path (its keys are compared one by one),
+    where the run writes, how often it saves and what it keeps (a checkpoint's bytes are the
+    same either way: tests/test_checkpoint.py), what it logs and reports (the MFU's peak, the
+    alarms' patience), the memory plan's inputs, the weight-sync buckets (whole tensors, copied
+    exactly) and timeouts. Not: the device, the seed, the rank layout, staleness, deterministic
+    kernels and when it validates (the validation metrics, the overfit alarm)."""
+
+    config: Optional[str] = key(None, "YAML file of settings (keys at the top level or under their section)",
+                                resumable=True)
+    device: Literal["auto", "cpu", "cuda", "npu"] = key(
+        "auto", "auto picks npu, then cuda, then cpu; a device named but absent is refused", resumable=False)
+    seed: int = key(0, "random seed (each rank adds its rank)", resumable=False)
     # torch's deterministic kernels and the vendor libraries' settings for them (device.
     # use_deterministic_algorithms): two runs, and a run and its resume, compute the same on a GPU or
     # NPU, at some speed. A CPU computes the same twice either way.
-    deterministic: bool = False
-    output_dir: str = "runs/dapo"
-    overwrite_output_dir: bool = False
-    max_steps: int = 100
-    log_every: int = 1
-    log_completions: int = 2  # prompts (with all their responses) written to completions.jsonl per logged step
-    report_to: list[str] = field(default_factory=lambda: ["csv"])  # and "tensorboard"; metrics.csv is always written
-    val_every: int = 10
-    save_every: int = 1
-    keep_last: int = 3
+    deterministic: bool = key(
+        False, "deterministic kernels and collectives on GPU/NPU (torch, cuBLAS, HCCL settings), so that two runs "
+        "and a resume match bit for bit; slower", resumable=False)
+    output_dir: str = key("runs/dapo", "where the run writes metrics, checkpoints and the exported model",
+                          resumable=True)
+    overwrite_output_dir: bool = key(False, "start over in an output_dir that holds another run", resumable=True)
+    # A finished run extended with a larger max_steps continues exactly (Schedule.collects_past_the_end).
+    max_steps: int = key(100, "training steps", resumable=True, check=at_least(1))
+    log_every: int = key(1, "console line and completions.jsonl every this many steps", resumable=True,
+                         check=at_least(1))
+    log_completions: int = key(2, "prompts per logged step written to completions.jsonl, with all responses (0 = "
+                               "off)", resumable=True, check=at_least(0, " (0 = off)"))
+    report_to: list[str] = key(["csv"], "csv (metrics.csv, always written), tensorboard, wandb (optional extras), "
+                               "console, or none", resumable=True, check=_reporters)
+    val_every: int = key(10, "validate every this many steps (0 = never)", resumable=False, check=at_least(0))
+    save_every: int = key(1, "checkpoint every this many steps, and the last (0 = never)", resumable=True,
+                          check=at_least(0, " (0 = never)"))
+    keep_last: int = key(3, "complete checkpoints kept", resumable=True, check=at_least(1))
     # verl's name. True: each checkpoint's learner shards are copied to host memory and written beside
     # training; False: written from the learner's own tensors while the step waits, and no host copy.
-    async_save: bool = True
-    hf_export_every: int = 0  # Hugging Face weights in checkpoints of steps divisible by it; 0 = the last step only
-    hf_export_file_mb: int = 5120  # the largest weight file of an export (one larger tensor fills a file alone)
-    resume_from_checkpoint: Optional[str] = None  # "auto" or a step folder
-    learner_ranks: int = 2
-    max_staleness: int = 1
-    dist_timeout_s: float = 600.0
-    device_memory_gb: Optional[float] = None  # GiB per device; default: what the device reports
-    host_memory_gb: Optional[float] = None  # GiB of host memory per node; default: this machine's MemTotal
-    disk_gb: Optional[float] = None  # GiB free for checkpoints under output_dir; default: what the filesystem has
-    disk_write_gb_per_s: float = 1.0  # GiB/s a node's learners write checkpoints at, for the plan's save times
-    weight_sync_bucket_mb: int = 256
-    peak_tflops: Optional[float] = None  # the device's dense bf16 peak for the MFU columns; None: by its name
-    length_alarm_steps: int = 20
-    overfit_alarm_checks: int = 3
+    async_save: bool = key(
+        True, "checkpoint learner shards through a host copy written beside training (12 B a parameter of each "
+        "learner's shard in host memory); false: no copy, the step waits while they are written", resumable=True)
+    hf_export_every: int = key(0, "Hugging Face weights in checkpoints of steps divisible by it (0 = the last step "
+                               "only)", resumable=True, check=at_least(0, " (0 = the last step only)"))
+    hf_export_file_mb: int = key(5120, "largest weight file of an export, MB", resumable=True,
+                                 check=at_least(1))  # one larger tensor fills a file alone
+    resume_from_checkpoint: Optional[str] = key(
+        None, "auto (the newest usable checkpoint in output_dir) or a step folder", resumable=True)
+    # The layout is in the checkpoint's fingerprint too, which refuses a resume onto another one.
+    learner_ranks: int = key(2, "learner ranks of a torchrun job (the others roll out; ignored with one process)",
+                             resumable=False, check=at_least(1))
+    max_staleness: int = key(1, "1: rollout generates one step ahead of training; 0: synchronous", resumable=False,
+                             check=lambda value: None if value in (0, 1) else "must be 0 or 1")
+    dist_timeout_s: float = key(600.0, "seconds a collective may wait for a silent peer", resumable=True,
+                                check=above(0))
+    # The memory plan's inputs: they decide whether a run starts, not what it computes (vLLM's KV
+    # cache is the plan's, in bytes, whatever the device's size).
+    device_memory_gb: Optional[float] = key(
+        None, "GiB per device for the memory plan; null = what the device reports", resumable=True,
+        check=above(0, " (null = what the machine reports)"))
+    host_memory_gb: Optional[float] = key(
+        None, "GiB of host memory per node for the memory plan; null = this machine's MemTotal", resumable=True,
+        check=above(0, " (null = what the machine reports)"))
+    disk_gb: Optional[float] = key(
+        None, "GiB free for checkpoints under output_dir for the memory plan; null = what its filesystem has free",
+        resumable=True, check=above(0, " (null = what the machine reports)"))
+    disk_write_gb_per_s: float = key(
+        1.0, "GiB/s a node writes checkpoints at, for the memory plan's time per save of each async_save mode (1.0: "
+        "a conservative share of a local NVMe or a shared filesystem)", resumable=True, check=above(0))
+    weight_sync_bucket_mb: int = key(256, "size of the buckets weights are broadcast in, MB", resumable=True)
+    peak_tflops: Optional[float] = key(
+        None, "a learner device's dense bf16 peak TFLOPS, for the MFU columns (null: from the device's name, Ascend "
+        "910B/C and NVIDIA data-center GPUs; none on a CPU)", resumable=True,
+        check=above(0, " (null = by the device's name)"))
+    length_alarm_steps: int = key(20, "steps of rising response length that fire alarm_length_rising",
+                                  resumable=True)
+    overfit_alarm_checks: int = key(3, "validations of falling val reward and rising train reward that fire "
+                                    "alarm_overfit", resumable=True)
 
 
 SECTIONS: dict[str, type] = {
@@ -228,6 +402,11 @@ KEY_SECTION = _section_of_each_key()
 _FIELD_TYPES = {
     name: typing.get_type_hints(SECTIONS[section])[name] for name, section in KEY_SECTION.items()
 }
+_FIELDS = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+# Read from each field's declaration (:func:`key`): --help's line a key, and the keys a resume
+# may change without a warning (resuming.check_resumable).
+KEY_HELP: dict[str, str] = {name: f.metadata.get("help", "") for name, f in _FIELDS.items()}
+RESUMABLE_KEYS = frozenset(name for name, f in _FIELDS.items() if f.metadata.get("resumable"))
 
 
 def _unknown_key(key: str, where: str) -> ConfigError:
@@ -411,61 +590,20 @@ def torchrun_nodes() -> int:
     return max(1, int(world) // int(local)) if world and local else 1
 
 
-# What report_to takes: csv (metrics.csv, always written: checkpoints keep it), console (verl's
-# name for the console line, always printed), tensorboard and wandb (optional extras), none
-# (neither extra).
-REPORTERS = ("csv", "console", "tensorboard", "wandb", "none")
-
-
 def validate(cfg: Config) -> None:
-    """Reject values no run can use; each message names the key and the allowed range."""
+    """Reject values no run can use; each message names the key and the allowed range. Each key's
+    own check comes from its field (:func:`key`); those here weigh one key against another."""
+    for name, value in cfg.flat().items():
+        check = _FIELDS[name].metadata.get("check")
+        problem = check(value) if check is not None and value is not None else None
+        if problem:
+            raise ConfigError(f"{name} {problem}")
     checks = [
-        (cfg.rollout.sample_num >= 1, "sample_num must be >= 1"),
-        (cfg.rollout.prompts_per_step >= 1, "prompts_per_step must be >= 1"),
-        (cfg.rollout.max_response_length >= 1, "max_response_length must be >= 1"),
-        (cfg.rollout.temperature > 0, "temperature must be > 0 (use val_temperature 0 for greedy validation)"),
-        (0 < cfg.rollout.top_p <= 1 and 0 < cfg.rollout.val_top_p <= 1, "top_p and val_top_p must be in (0, 1]"),
-        (cfg.rollout.val_temperature >= 0, "val_temperature must be >= 0 (0 = greedy)"),
-        (cfg.rollout.max_gen_batches >= 0, "max_gen_batches must be >= 0 (0 = no limit)"),
-        (cfg.rollout.rollout_stop_check_every >= 1, "rollout_stop_check_every must be >= 1 (decode steps per host check)"),
-        (cfg.model.rollout_tensor_parallel >= 1, "rollout_tensor_parallel must be >= 1 (devices per rollout engine)"),
         (cfg.model.rollout_tensor_parallel == 1 or cfg.model.rollout_engine == "vllm",
          f"rollout_tensor_parallel {cfg.model.rollout_tensor_parallel} needs rollout_engine vllm: the built-in "
          f"engine runs on its rank's device alone (rollout_tensor_parallel 1)"),
-        (cfg.data.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
-        (cfg.data.bucket_size >= 1, "bucket_size must be >= 1"),
-        (cfg.algo.clip_ratio_low >= 0 and cfg.algo.clip_ratio_high >= 0, "clip_ratio_low/high must be >= 0"),
-        (cfg.algo.clip_ratio_low < 1, "clip_ratio_low must be < 1: it is an epsilon, the ratio floor is 1 - clip_ratio_low"),
-        (cfg.algo.clip_ratio_c > 1, "clip_ratio_c must be > 1 (dual clip)"),
         (0 <= cfg.algo.overlong_buffer_len <= cfg.rollout.max_response_length,
          "overlong_buffer_len must be in [0, max_response_length]"),
-        (cfg.optim.learning_rate > 0, "learning_rate must be > 0"),
-        (cfg.optim.per_device_batch_size >= 1, "per_device_batch_size must be >= 1"),
-        (cfg.optim.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
-        (cfg.optim.ppo_epochs >= 1, "ppo_epochs must be >= 1"),
-        (cfg.optim.log_prob_batch_size is None or cfg.optim.log_prob_batch_size >= 1,
-         "log_prob_batch_size must be >= 1 (null = per_device_batch_size)"),
-        (cfg.optim.ppo_max_token_len_per_gpu >= 1, "ppo_max_token_len_per_gpu must be >= 1"),
-        (cfg.optim.log_prob_max_token_len_per_gpu is None or cfg.optim.log_prob_max_token_len_per_gpu >= 1,
-         "log_prob_max_token_len_per_gpu must be >= 1 (null = ppo_max_token_len_per_gpu)"),
-        (cfg.run.max_steps >= 1, "max_steps must be >= 1"),
-        (cfg.run.learner_ranks >= 1, "learner_ranks must be >= 1"),
-        (cfg.run.max_staleness in (0, 1), "max_staleness must be 0 or 1"),
-        (cfg.run.save_every >= 0, "save_every must be >= 0 (0 = never)"),
-        (cfg.run.keep_last >= 1, "keep_last must be >= 1"),
-        (cfg.run.hf_export_every >= 0, "hf_export_every must be >= 0 (0 = the last step only)"),
-        (cfg.run.hf_export_file_mb >= 1, "hf_export_file_mb must be >= 1"),
-        (cfg.run.log_every >= 1 and cfg.run.val_every >= 0, "log_every must be >= 1 and val_every >= 0"),
-        (cfg.run.log_completions >= 0, "log_completions must be >= 0 (0 = off)"),
-        (set(cfg.run.report_to) <= set(REPORTERS),
-         f"report_to takes {', '.join(REPORTERS)}, got {cfg.run.report_to}"),
-        ("none" not in cfg.run.report_to or len(set(cfg.run.report_to)) == 1,
-         f"report_to none means no reporter but the console and metrics.csv: give it alone, got {cfg.run.report_to}"),
-        (cfg.run.dist_timeout_s > 0, "dist_timeout_s must be > 0"),
-        (cfg.run.disk_write_gb_per_s > 0, "disk_write_gb_per_s must be > 0"),
-        (cfg.run.peak_tflops is None or cfg.run.peak_tflops > 0, "peak_tflops must be > 0 (null = by the device's name)"),
-        (all(gb is None or gb > 0 for gb in (cfg.run.device_memory_gb, cfg.run.host_memory_gb, cfg.run.disk_gb)),
-         "device_memory_gb, host_memory_gb and disk_gb must be > 0 (null = what the machine reports)"),
         (not (cfg.model.reward_model and cfg.rollout.dynamic_sampling_metric == "acc"),
          "dynamic_sampling_metric acc needs a rule reward (reward_fn); a reward_model has no notion of correct"),
     ]
@@ -702,122 +840,6 @@ class Schedule:
 
 
 # ----- --help: the usage and every key, with its default and meaning --------------------------
-
-# One line per key, shown by --help under the key's section (choices of a Literal key are added).
-KEY_HELP: dict[str, str] = {
-    # model
-    "model_path": "Hugging Face model folder (config.json, tokenizer, safetensors weights); never downloaded",
-    "reward_model": "sequence-classification reward model folder; when set it scores responses instead of reward_fn",
-    "reward_fn": "rule reward: math_answer, math_verify (the math extra), demo_arithmetic, or module:function",
-    "rollout_dtype": "dtype of the rollout copy of the weights (fp8: README \"FP8 rollout\")",
-    "rollout_engine": "what generates: the built-in decode loop, or one vLLM engine per rollout rank (README \"vLLM rollout\")",
-    "rollout_tensor_parallel": "vLLM: one engine per this many consecutive rollout ranks, tensor parallel over their "
-                               "devices; the others hold no model (must divide the rollout ranks)",
-    "learner_dtype": "learner compute dtype (bf16: FSDP2 mixed precision over fp32 master weights)",
-    "gradient_checkpointing": "recompute activations in the backward pass",
-    "learner_offload": "keep the learners' parameters, gradients and AdamW state in host memory (needs torchrun)",
-    "use_remove_padding": "the learner's forwards (old log-probs, reference, update) compute each micro-batch's real "
-                          "tokens packed into one row, attention kept inside each sequence; false: rows padded to "
-                          "the micro-batch's longest",
-    "eos_token_ids": "stop token ids besides the tokenizer's EOS, e.g. [151645, 151643] for Qwen3",
-    # data
-    "dataset": "training prompts: JSONL, JSON or Parquet",
-    "val_dataset": "validation prompts, same formats; null = no validation",
-    "prompt_key": "row field holding the prompt (a string or a list of chat messages)",
-    "answer_key": "row field holding the reference answer the reward reads",
-    "system_prompt": "system message put before every prompt that has none; null = none",
-    "max_prompt_length": "longest prompt in tokens; longer ones are handled as overlong_prompts says",
-    "overlong_prompts": "what happens to a prompt over max_prompt_length: dropped (counted) or cut on the left",
-    "skip_bad_rows": "skip and count malformed rows instead of stopping",
-    "bucket_size": "generation batches pad to their length bucket's bound, so shapes repeat",
-    # rollout
-    "max_response_length": "longest response in tokens",
-    "temperature": "sampling temperature for training responses",
-    "top_p": "nucleus sampling for training responses",
-    "sample_num": "responses per prompt (the group)",
-    "prompts_per_step": "informative groups trained on per step",
-    "dynamic_sampling": "DAPO dynamic sampling: keep only groups whose metric varies, generate more until full",
-    "dynamic_sampling_metric": "what must vary in a group: acc (right/wrong) or reward; auto = acc with a rule reward",
-    "rollout_stop_check_every": "built-in engine: decode steps between the host's checks that every row has stopped",
-    "rollout_compile": "built-in engine: torch.compile the decode step (null: on on CUDA, in CUDA graphs for bf16 and fp8 rollouts; off on CPU and NPU)",
-    "rollout_enforce_eager": "vLLM: run eagerly, no graphs (null: CUDA graphs on CUDA for 1 up to an engine's sequences "
-                             "a call; eager on CPU, where vLLM would compile instead, and on NPU)",
-    "max_gen_batches": "stop with an error after this many generation batches in one step (0 = no limit)",
-    "val_temperature": "validation temperature (0 = greedy)",
-    "val_top_p": "validation nucleus when val_temperature > 0",
-    "val_max_prompts": "validation prompts used (0 = the whole set)",
-    # algo
-    "clip_ratio_low": "clip epsilon below: the ratio floor is 1 - clip_ratio_low",
-    "clip_ratio_high": "clip epsilon above (DAPO clip-higher): the ratio ceiling is 1 + clip_ratio_high",
-    "clip_ratio_c": "dual-clip bound for negative advantages (> 1)",
-    "loss_agg_mode": "how token losses are averaged into the step's loss",
-    "norm_adv_by_std": "divide group advantages by the group's spread (false: Dr.GRPO)",
-    "kl_coef": "weight of the KL to the reference model (0 = no reference model is loaded)",
-    "kl_coef_init": "KL weight for the first kl_warmup_steps steps; null = kl_coef throughout",
-    "kl_warmup_steps": "training steps that use kl_coef_init",
-    "kl_type": "KL estimator",
-    "length_penalty_coef": "weight of the length penalty (docs/algorithm.md section 5)",
-    "overlong_buffer_len": "DAPO soft overlong punishment: tokens before max_response_length where it starts (0 = off)",
-    "overlong_penalty_factor": "DAPO soft overlong punishment at max_response_length",
-    "entropy_coeff": "entropy bonus (entropy is always logged)",
-    "tis_cap": "old name: tis_cap C is rollout_is token with rollout_is_threshold C (0 = off)",
-    "rollout_is": "importance weights for the rollout/learner mismatch, per token or per sequence [token | sequence] (null = off)",
-    "rollout_is_threshold": "C: weights truncated at C (TIS; 2.0 with FP8 rollout); 'L_U': weight 0 outside [L, U] (IcePop; quote it in YAML)",
-    "rollout_is_batch_normalize": "divide the importance weights by their mean over the step's tokens (or sequences)",
-    "rollout_rs": "rejection: comma-separated token_k1/2/3, seq_sum_k1/2/3, seq_mean_k1/2/3, seq_max_k2/3; a token must pass all (null = off)",
-    "rollout_rs_threshold": "per rollout_rs mode, comma-separated (or one for all): k1 a ratio band 'L_U' (U alone: 1/U_U), k2/k3 an upper bound",
-    "routing_replay": "MoE: the engine records each token's top-k experts per layer and the learner's forwards route to them, gate weights from its own router (R3; README \"Routing replay\")",
-    # optim
-    "learning_rate": "AdamW learning rate (large MoE models: ~1e-6)",
-    "lr_warmup_steps": "linear warmup over this many training steps (as verl counts them)",
-    "weight_decay": "AdamW weight decay",
-    "grad_clip": "gradient norm clip",
-    "per_device_batch_size": "sequences per micro-batch on a learner rank",
-    "gradient_accumulation_steps": "micro-batches per optimizer step",
-    "ppo_epochs": "passes over a step's samples",
-    "log_prob_batch_size": "sequences per no-grad forward of the old and reference log-probs on a learner rank "
-                           "(null = per_device_batch_size)",
-    "use_dynamic_bsz": "micro-batches filled by real tokens up to ppo_max_token_len_per_gpu (the forwards of "
-                       "log-probs: log_prob_max_token_len_per_gpu) instead of per_device_batch_size rows; the "
-                       "mini-batches stay; a longer row is a micro-batch of its own",
-    "ppo_max_token_len_per_gpu": "with use_dynamic_bsz: real tokens (prompt + response) per training micro-batch "
-                                 "on a learner rank (--plan says which fits)",
-    "log_prob_max_token_len_per_gpu": "with use_dynamic_bsz: real tokens per no-grad forward of the old and "
-                                      "reference log-probs (null = ppo_max_token_len_per_gpu)",
-    # run
-    "config": "YAML file of settings (keys at the top level or under their section)",
-    "device": "auto picks npu, then cuda, then cpu; a device named but absent is refused",
-    "seed": "random seed (each rank adds its rank)",
-    "deterministic": "deterministic kernels and collectives on GPU/NPU (torch, cuBLAS, HCCL settings), so that two runs and a resume match bit for bit; slower",
-    "output_dir": "where the run writes metrics, checkpoints and the exported model",
-    "overwrite_output_dir": "start over in an output_dir that holds another run",
-    "max_steps": "training steps",
-    "log_every": "console line and completions.jsonl every this many steps",
-    "log_completions": "prompts per logged step written to completions.jsonl, with all responses (0 = off)",
-    "report_to": "csv (metrics.csv, always written), tensorboard, wandb (optional extras), console, or none",
-    "val_every": "validate every this many steps (0 = never)",
-    "save_every": "checkpoint every this many steps, and the last (0 = never)",
-    "keep_last": "complete checkpoints kept",
-    "async_save": "checkpoint learner shards through a host copy written beside training (12 B a parameter of "
-                  "each learner's shard in host memory); false: no copy, the step waits while they are written",
-    "hf_export_every": "Hugging Face weights in checkpoints of steps divisible by it (0 = the last step only)",
-    "hf_export_file_mb": "largest weight file of an export, MB",
-    "resume_from_checkpoint": "auto (the newest usable checkpoint in output_dir) or a step folder",
-    "learner_ranks": "learner ranks of a torchrun job (the others roll out; ignored with one process)",
-    "max_staleness": "1: rollout generates one step ahead of training; 0: synchronous",
-    "dist_timeout_s": "seconds a collective may wait for a silent peer",
-    "device_memory_gb": "GiB per device for the memory plan; null = what the device reports",
-    "host_memory_gb": "GiB of host memory per node for the memory plan; null = this machine's MemTotal",
-    "disk_gb": "GiB free for checkpoints under output_dir for the memory plan; null = what its filesystem has free",
-    "disk_write_gb_per_s": "GiB/s a node writes checkpoints at, for the memory plan's time per save of each async_save "
-                           "mode (1.0: a conservative share of a local NVMe or a shared filesystem)",
-    "weight_sync_bucket_mb": "size of the buckets weights are broadcast in, MB",
-    "peak_tflops": "a learner device's dense bf16 peak TFLOPS, for the MFU columns (null: from the device's name, "
-                   "Ascend 910B/C and NVIDIA data-center GPUs; none on a CPU)",
-    "length_alarm_steps": "steps of rising response length that fire alarm_length_rising",
-    "overfit_alarm_checks": "validations of falling val reward and rising train reward that fire alarm_overfit",
-}
-
 
 def _default_text(value: Any) -> str:
     """A default as it would be written in YAML or on the command line."""

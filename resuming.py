@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ckpt import (LEARNER_STATE, CheckpointError, complete_steps, find_checkpoint, incomplete_steps, read_json,
                   remove_partial_saves)
-from config import UserError
+from config import RESUMABLE_KEYS, UserError
 
 _MODEL_CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache")
 
@@ -62,16 +62,11 @@ def first_difference(saved: dict[str, Any], current: dict[str, Any]) -> Optional
     return None
 
 
-# Settings that may change between a checkpoint and its resume without changing the results.
-RESUMABLE_CHANGES = ("max_steps", "output_dir", "resume_from_checkpoint", "overwrite_output_dir", "log_every",
-                     "device_memory_gb", "log_completions", "report_to", "save_every", "keep_last", "dist_timeout_s",
-                     "hf_export_every", "hf_export_file_mb")
-
-
 def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str, Any],
                     warn: Callable[[str], None], *, source_rows: Sequence[int]) -> dict[str, Any]:
     """The checkpoint's trainer state, if it was written by this model, tokenizer, layout and data;
-    ``warn`` hears of other changed settings (the run would not match an uninterrupted one).
+    ``warn`` hears of changed settings a resume may not change silently (config.RESUMABLE_KEYS:
+    each key's field says whether it is one): the run would not match an uninterrupted one.
     ``source_rows``: each training prompt's row in the dataset file, to name the first that differs."""
     if not (folder / LEARNER_STATE).is_dir():
         raise UserError(f"checkpoint {folder} has no {LEARNER_STATE}/: it was written by an older version of this "
@@ -83,7 +78,7 @@ def check_resumable(folder: Path, fingerprint: dict[str, Any], config: dict[str,
             difference = prompts_difference(saved, fingerprint, config["dataset"], source_rows)
         if difference:
             raise UserError(f"checkpoint {folder} does not match this run's {what}: {difference}")
-    changed = sorted(k for k, v in config.items() if k not in RESUMABLE_CHANGES and saved["config"].get(k, v) != v)
+    changed = sorted(k for k, v in config.items() if k not in RESUMABLE_KEYS and saved["config"].get(k, v) != v)
     if changed:
         warn(f"resuming with changed settings ({', '.join(changed)}): the run will not match an uninterrupted one")
     return saved

@@ -1,12 +1,15 @@
 """Config: precedence, unknown keys, wrong types, derived values, the CLI's exit status and its
 --help."""
+import dataclasses
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import yaml
@@ -54,6 +57,9 @@ def test_article_launch_flags_are_accepted_as_written():
     (["--report_to", "[csv, mlflow]"], "report_to takes csv, console, tensorboard, wandb, none, got ['csv', 'mlflow']"),
     (["--report_to", "[none, wandb]"], "report_to none means no reporter but the console and metrics.csv: give it alone"),
     (["--log_completions", "-1"], "log_completions must be >= 0 (0 = off)"),
+    (["--val_top_p", "0"], "val_top_p must be in (0, 1]"),  # a key's own check (config.key) names that key
+    (["--disk_gb", "0"], "disk_gb must be > 0 (null = what the machine reports)"),
+    (["--clip_ratio_low", "1.0"], "clip_ratio_low must be < 1: it is an epsilon"),
 ])
 def test_bad_command_line_values_name_the_key(argv, needle):
     with pytest.raises(ConfigError) as err:
@@ -290,11 +296,86 @@ def test_help_lists_every_key_with_its_default_and_meaning():
     assert "[token-mean | seq-mean-token-mean | seq-mean-token-sum]" in text  # a Literal key's choices
 
 
-def test_every_key_has_a_line_of_help():
-    # A key added to a dataclass needs its line in config.KEY_HELP, or --help shows it bare.
-    assert sorted(set(config.KEY_SECTION) - set(config.KEY_HELP)) == []
-    assert sorted(set(config.KEY_HELP) - set(config.KEY_SECTION)) == []
-    assert all("\n" not in text for text in config.KEY_HELP.values())
+def undeclared(classes) -> list[str]:
+    """'KEY lacks WHAT' for each field of ``classes`` not declared through config.key: a default, a
+    line of help, whether a resume may change it, and its check (None where it has none)."""
+    missing = []
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                missing.append(f"{f.name} lacks a default")
+            text = f.metadata.get("help")
+            if not isinstance(text, str) or len(text.strip()) < 10 or "\n" in text:
+                missing.append(f"{f.name} lacks a line of help")
+            if not isinstance(f.metadata.get("resumable"), bool):
+                missing.append(f"{f.name} lacks resumable")
+            if "check" not in f.metadata or not (f.metadata["check"] is None or callable(f.metadata["check"])):
+                missing.append(f"{f.name} lacks a check (None for none)")
+    return missing
+
+
+def test_every_key_declares_its_default_help_check_and_resumable():
+    # A key added to a dataclass bare (not through config.key) would show in --help without a
+    # meaning and make a resume that changes it warn or not by accident.
+    assert undeclared(config.SECTIONS.values()) == []
+    assert config.KEY_HELP == {name: config._FIELDS[name].metadata["help"] for name in config.KEY_SECTION}
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare:  # the test sees what it is for
+        plain: int = 1
+        helped: int = dataclasses.field(default=1, metadata={"help": "a line of help only"})
+        declared: list[int] = config.key([1], "a list copied for each instance", resumable=True)
+
+    assert undeclared([Bare]) == ["plain lacks a line of help", "plain lacks resumable",
+                                  "plain lacks a check (None for none)", "helped lacks resumable",
+                                  "helped lacks a check (None for none)"]
+    assert Bare().declared == [1] and Bare().declared is not Bare().declared
+
+
+def another_value(name: str, value):
+    """A valid value of key ``name`` other than ``value`` (the default)."""
+    tp = config._FIELD_TYPES[name]
+    if value is None:
+        return {"config": "other.yaml", "resume_from_checkpoint": "auto"}.get(name, 7)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, list):
+        return ["tensorboard"] if name == "report_to" else [*value, 1]
+    return [a for a in typing.get_args(tp) if a != value][0] if typing.get_origin(tp) is Literal else value + "2"
+
+
+def resume_warnings(tmp_path, changes: dict) -> list[str]:
+    """What check_resumable warns of when this run's settings are a checkpoint's with ``changes``."""
+    import resuming
+
+    folder = tmp_path / "step_00000001"
+    (folder / "learner_state").mkdir(parents=True, exist_ok=True)
+    fingerprint = {"model": {}, "tokenizer": {}, "layout": {}, "data": {"train_prompts": "x"}}
+    saved = Config().flat()
+    (folder / "trainer_state.json").write_text(json.dumps({"fingerprint": fingerprint, "config": saved}))
+    current = {**saved, **changes}
+    validate_flat(current)
+    warnings: list[str] = []
+    resuming.check_resumable(folder, fingerprint, current, warnings.append, source_rows=[])
+    return warnings
+
+
+def validate_flat(flat: dict) -> None:
+    """The changed settings are ones a run takes (each key's check), so the test asks a real question."""
+    sections = {s: {k: v for k, v in flat.items() if config.KEY_SECTION[k] == s} for s in config.SECTIONS}
+    config.validate(Config(**{s: config.SECTIONS[s](**kw) for s, kw in sections.items()}))
+
+
+def test_a_resume_warns_of_changed_settings_but_not_of_resumable_ones(tmp_path):
+    defaults = Config().flat()
+    resumable = {name: another_value(name, defaults[name]) for name in sorted(config.RESUMABLE_KEYS)}
+    assert {"config", "host_memory_gb", "disk_gb", "async_save", "max_steps"} <= set(resumable)
+    assert resume_warnings(tmp_path, resumable) == []
+    assert resume_warnings(tmp_path, {**resumable, "learning_rate": 2e-6}) == [
+        "resuming with changed settings (learning_rate): the run will not match an uninterrupted one"]
+    assert not {"learning_rate", "seed", "deterministic", "device", "max_staleness"} & config.RESUMABLE_KEYS
 
 
 def test_short_help_and_no_arguments(capsys):

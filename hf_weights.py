@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from config import UserError
-from device import TRANSFORMERS_EXPERTS, experts_implementation, use_experts_kernel
+from moe_kernels import TRANSFORMERS_EXPERTS, experts_implementation, use_experts_kernel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -98,7 +98,7 @@ def empty_model(path: Path, device: Any, dtype: torch.dtype,
     """The architecture of the model folder ``path`` in ``dtype``, built on the meta device,
     ``prepare``-d there (sharded, converted to FP8), then given storage on ``device`` without
     its weights, which the caller reads a piece at a time. Buffers (the rotary frequencies) are
-    computed, not read. Its MoE experts run the kernel device.experts_implementation gives the
+    computed, not read. Its MoE experts run the kernel moe_kernels.experts_implementation gives the
     type of device it computes on: ``computes_on`` where that is not ``device``'s (an offloaded
     learner keeps its storage on the host)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -107,7 +107,7 @@ def empty_model(path: Path, device: Any, dtype: torch.dtype,
     text = config.get_text_config()
     has_experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     # transformers refuses the setting for a dense model, and before 5.7 any kernel but its own
-    # (device.use_experts_kernel): ours are set on the built model
+    # (moe_kernels.use_experts_kernel): ours are set on the built model
     kernel = experts_implementation(computes_on or torch.device(device).type) if has_experts else None
     built_with = {} if kernel is None else \
         {"experts_implementation": kernel if kernel in TRANSFORMERS_EXPERTS else "eager"}

@@ -75,7 +75,7 @@ class RolloutWeights:
         # The architecture's names and shapes, without weights, built from a copy of the config
         # (from_config writes its settings into the one it is given) with transformers' own experts
         # kernel: a policy's config may name ours, which transformers before 5.7 builds with no
-        # model (device.use_experts_kernel).
+        # model (moe_kernels.use_experts_kernel).
         with torch.device("meta"):
             policy = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), experts_implementation="eager")
         named = list(policy.named_parameters())

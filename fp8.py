@@ -14,7 +14,6 @@ what a small error would flip) and the lm_head (the sampling distribution itself
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -152,14 +151,6 @@ class Fp8Experts(nn.Module):
         # the output scales and routing weights, in float32, as fp8_grouped_linear applies them
         pairs.mul_(self.down_proj.scale[top_k_index] * top_k_weights[..., None])
         return pairs.sum(dim=1)
-
-
-@dataclass(frozen=True)
-class Fp8Target:
-    """A parameter of the full-precision policy stored in FP8 on the rollout side."""
-
-    module: str  # the module holding it in the policy ("model.layers.0.self_attn.q_proj")
-    parameter: str  # "weight", or the experts' "gate_up_proj" / "down_proj"
 
 
 def _targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:

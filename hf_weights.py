@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -129,15 +129,25 @@ def empty_model(path: Path, device: Any, dtype: torch.dtype,
 def plan_files(shapes: dict[str, torch.Size], itemsize: int, max_file_bytes: int = MAX_FILE_BYTES) -> list[list[str]]:
     """In-memory parameter names grouped into weight files of at most ``max_file_bytes`` (a
     larger parameter fills a file alone), in the given order."""
-    files, current, used = [], [], 0
-    for name, shape in shapes.items():
-        size = shape.numel() * itemsize
-        if current and used + size > max_file_bytes:
-            files.append(current)
+    names = list(shapes)
+    sizes = [shape.numel() * itemsize for shape in shapes.values()]
+    return [[names[index] for index in file] for file in bucket_plan(sizes, max_file_bytes)]
+
+
+def bucket_plan(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Piece indices grouped so each bucket stays under bucket_bytes (one large piece may fill a
+    bucket alone). Both ends of a weight sync compute the same plan from the same sizes
+    (weight_sync), and a model's weight files are cut by it (plan_files)."""
+    plan, current, used = [], [], 0
+    for index, size in enumerate(sizes):
+        if current and used + size > bucket_bytes:
+            plan.append(current)
             current, used = [], 0
-        current.append(name)
+        current.append(index)
         used += size
-    return files + ([current] if current else [])
+    if current:
+        plan.append(current)
+    return plan
 
 
 def file_names(count: int) -> list[str]:

@@ -349,6 +349,14 @@ def npu_driver_version() -> Optional[str]:
     return None
 
 
+# What each kind of device's rollout engines compute in, the one table of it: plan_advice says
+# what runs where from it and engine_vllm.check_available refuses the rest at start-up. Neither
+# vllm-ascend on Atlas A2/A3 nor vLLM's CPU build has FP8; the built-in engine runs FP8
+# everywhere, on an NPU from e4m3 codes stored as uint8 (FP8_AS_CODES).
+ROLLOUT_DTYPES = {"npu": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("bf16", "fp32")},
+                  "cuda": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("fp8", "bf16", "fp32")},
+                  "cpu": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("bf16", "fp32")}}
+
 # Where vLLM captures graphs unless told otherwise (rollout_enforce_eager null): CUDA. On the CPU
 # vLLM's graph mode is torch.compile at start-up (minutes on a few cores); vllm-ascend's ACL graphs
 # around the weight reload are not checked on a device yet.

@@ -1,8 +1,10 @@
 """The one owner of device, backend, dtype, seeding, RNG state and cache release.
 
 Nothing else in the project names ``cuda`` or ``npu``: callers hold a :class:`Platform` and go
-through it. ``torch_npu`` is optional and imported only here, guarded, because on a machine
-without CANN a stray torch_npu breaks even ``import torch`` (docs/platform.md).
+through it. The FP8 and MoE kernels live beside it (fp8_kernels.py, moe_kernels.py) and import
+it, never the other way round; they name torch_npu's operators but reach them through
+:func:`torch_npu_op`. ``torch_npu`` is optional and imported only here, guarded, because on a
+machine without CANN a stray torch_npu breaks even ``import torch`` (docs/platform.md).
 """
 from __future__ import annotations
 
@@ -195,379 +197,30 @@ def npu_varlen_attention(device_type: str) -> Optional[Any]:
     return npu_flash_attn_varlen_func
 
 
-# --- FP8 matmuls -------------------------------------------------------------------------------
-# fp8.py holds weights as float8_e4m3fn values V with one float32 scale s per output row:
-# W = V * s[:, None]. Every e4m3 value is exactly a bf16 (and fp32) value, so the matmuls below
-# convert V, exactly, into one reused workspace in the compute dtype, multiply there, and apply s
-# to the matmul's output rows in float32 (y = (x @ V.T) * s, rounded once more to x's dtype):
-# the weight-only FP8 scheme of W8A16 kernels, where the scale sits in the epilogue. Against
-# multiplying by bf16(V * s) (this build before) that moves where the rounding falls (float
-# noise, tests/test_fp8_kernels.py), converts 1 byte per weight instead of building an fp32 and
-# then a bf16 copy, and costs one multiply per output instead of one per weight.
+def torch_npu_op(name: str) -> Optional[Any]:
+    """torch_npu's operator ``name``; None without torch_npu, or where its build has none (the
+    kernels elsewhere reach torch_npu through here, which imports it guarded)."""
+    return getattr(_import_torch_npu(), name, None)
 
-# Every platform multiplies this way for now. Not written: a native scaled FP8 GEMM
-# (torch._scaled_mm / _scaled_grouped_mm on CUDA sm90+, torch_npu's npu_quant_matmul /
-# npu_grouped_matmul). It quantizes the activations to FP8 too, which changes the numbers well
-# beyond float noise, and nothing here can measure it (no GPU or NPU run; the CPU has no
-# _scaled_grouped_mm). It would go behind fp8_linear's and fp8_grouped_linear's signatures,
-# chosen per platform beside FP8_TO_COMPUTE, with these functions as the fallback.
 
-# How float8 values become compute-dtype values, per platform. "bits" (CPU, bf16): integer ops
-# build the bf16 bit patterns, ~10x faster there than torch's float8 conversion, a scalar loop
-# on the CPU. "cast" (the rest): torch's conversion (CUDA: a native kernel).
-FP8_TO_COMPUTE = {"cpu": "bits", "cuda": "cast"}
+# --- FP8 storage ---------------------------------------------------------------------------------
+# What a platform can hold FP8 weights as: a fact of its kernels, here beside the other dtype facts.
+# The FP8 conversions and matmuls that read it are fp8_kernels.py.
 
 # Platforms whose kernels take no float8 tensor: torch_npu's cast and copy kernels have no
 # float8 on Atlas A2/A3 (910B), so a float8 device tensor fails at its first copy (loading a
 # rollout rank, the lead's first weight sync). FP8 weights live there as their e4m3 bit
-# patterns in uint8: written by integer ops (fp8_values), sent as the same bytes as float8
-# values elsewhere, and read through a table of the 256 values in the compute dtype
-# (index_select by code): exact, where "bits" gives V * 2^-120, bf16 subnormals for small V,
-# whose products fall below float32's normal range where a kernel flushes subnormals.
+# patterns in uint8: written by integer ops (fp8_kernels.fp8_values), sent as the same bytes as
+# float8 values elsewhere, and read through a table of the 256 values in the compute dtype
+# (index_select by code): exact, where "bits" (fp8_kernels.FP8_TO_COMPUTE) gives V * 2^-120,
+# bf16 subnormals for small V, whose products fall below float32's normal range where a kernel
+# flushes subnormals.
 FP8_AS_CODES = {"npu"}
 
 
 def fp8_storage_dtype(device_type: str) -> torch.dtype:
     """What FP8 values are stored as on a ``device_type`` device: float8_e4m3fn, or uint8 codes."""
     return torch.uint8 if kind_of(device_type) in FP8_AS_CODES else torch.float8_e4m3fn
-
-
-# Elements encoded or decoded at once on FP8_AS_CODES platforms: bounds their int32 temporaries
-# to 64 MiB each, where a layer's fused experts are ~400M weights.
-FP8_CODE_CHUNK = 1 << 24
-
-
-def fp8_values(scaled: torch.Tensor, stored_on: str) -> torch.Tensor:
-    """``scaled`` (float32, |x| <= 448) rounded to e4m3 (to nearest, ties to even) and stored
-    as fp8_storage_dtype(stored_on) gives: uint8 codes bit for bit torch's float8_e4m3fn."""
-    if fp8_storage_dtype(stored_on) != torch.uint8:
-        return scaled.to(torch.float8_e4m3fn)
-    flat, codes = scaled.contiguous().view(-1), torch.empty(scaled.shape, dtype=torch.uint8, device=scaled.device)
-    for start in range(0, flat.numel(), FP8_CODE_CHUNK):
-        part = slice(start, start + FP8_CODE_CHUNK)
-        codes.view(-1)[part] = _e4m3_codes(flat[part])
-    return codes
-
-
-def _e4m3_codes(scaled: torch.Tensor) -> torch.Tensor:
-    """c10's float32 -> float8_e4m3fn rounding (c10/util/Float8_e4m3fn.h), on int32 words."""
-    bits = scaled.view(torch.int32)
-    magnitude = bits & 0x7FFFFFFF
-    # normal results: drop 20 mantissa bits with round-to-nearest-even, rebias 127 -> 7
-    odd = (magnitude >> 20) & 1
-    normal = (magnitude + (0x7FFFF - (120 << 23)) + odd) >> 20
-    # below e4m3's smallest normal (2^-6): adding 2^14 rounds |x| to a multiple of 2^-9, e4m3's
-    # subnormal step, in the float32 adder; the low bits are then the code
-    subnormal = (magnitude.view(torch.float32) + 2.0 ** 14).view(torch.int32) - (141 << 23)
-    codes = torch.where(magnitude < (121 << 23), subnormal, normal) | ((bits >> 24) & 0x80)
-    return codes.to(torch.uint8)
-
-
-@functools.lru_cache(maxsize=None)
-def _e4m3_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The 256 e4m3 values in ``dtype`` on ``device``, by code (made on the host, where float8 works)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(dtype).to(device)
-
-
-def _decode_codes(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = the values of e4m3 ``codes`` (uint8), through the table: no float8 tensor."""
-    table, flat = _e4m3_table(codes.device, out.dtype), codes.reshape(-1)
-    for start in range(0, flat.numel(), FP8_CODE_CHUNK):
-        part = slice(start, start + FP8_CODE_CHUNK)
-        torch.index_select(table, 0, flat[part].to(torch.int32), out=out.view(-1)[part])
-    return out
-
-
-def fp8_values_as(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 values (float8_e4m3fn, or uint8 codes) as ``dtype`` values, exactly, in a new tensor."""
-    out = torch.empty(values.shape, dtype=dtype, device=values.device)
-    return _decode_codes(values, out) if values.dtype == torch.uint8 else out.copy_(values)
-
-
-# One flat buffer per (device, dtype), as large as the largest FP8 weight converted so far, shared
-# by every FP8 layer of the process: layers run one after another, and each matmul has read its
-# weight before the next conversion overwrites it (the device runs a stream's kernels in order).
-# Its size is one weight, the largest: a layer's fused experts (Qwen3-30B-A3B's gate_up_proj,
-# 128 x 1536 x 2048 in bf16: 0.8 GB), never a bf16 copy of the model.
-_FP8_WORKSPACE: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def free_fp8_workspace() -> None:
-    """Drop the conversion buffers (the next FP8 matmul allocates them again)."""
-    _FP8_WORKSPACE.clear()
-
-
-# What the CPU's bit-level conversion leaves out: its values are V * 2^-120 (below). The matmuls
-# apply the factor with the output scales, in float32, instead of a pass over every weight (on
-# the CPU, a quarter of the conversion's time); the powers of two cancel exactly, so outputs are
-# the same unless a matmul's output falls below bf16's normal range at 2^-120 (an output under
-# ~3.5e-5 of its row's largest weight, where bf16 keeps fewer digits).
-_BITS_FACTOR = 2.0 ** 120
-
-
-def _fp8_values_scaled_as(values: torch.Tensor, dtype: torch.dtype, reuse: bool) -> tuple[torch.Tensor, float]:
-    """(weight, factor): ``values`` == weight * factor exactly, weight in ``dtype`` in the shared
-    workspace (or its own buffer: ``reuse`` False); factor 1 except on the CPU's bf16 path."""
-    key, numel = (values.device, dtype), values.numel()
-    buffer = _FP8_WORKSPACE.get(key) if reuse else None
-    if buffer is None or buffer.numel() < numel:
-        if reuse:
-            _FP8_WORKSPACE.pop(key, None)  # free the smaller one before allocating
-        buffer = torch.empty(numel, dtype=dtype, device=values.device)
-        if reuse:
-            _FP8_WORKSPACE[key] = buffer
-    out = buffer[:numel].view(values.shape)
-    if values.dtype == torch.uint8:  # codes (FP8_AS_CODES)
-        return _decode_codes(values, out), 1.0
-    if dtype != torch.bfloat16 or FP8_TO_COMPUTE.get(kind_of(values.device.type)) != "bits":
-        return out.copy_(values), 1.0
-    # e4m3 sign|eeee|mmm -> bf16 sign|0000eeee|mmm0000: the int8 sign-extends into int16, the shift
-    # puts e and m under bf16's exponent and mantissa, the mask keeps the sign bit alone above
-    # them. That is V * 2^-120 (bf16's exponent bias is 127, e4m3's 7; e = 0, e4m3's subnormals,
-    # reads as bf16 subnormals with the same mantissa): _BITS_FACTOR.
-    # Not NaN-preserving (e4m3's NaN, 0x7f, reads as 480; quantize() never writes it), and it
-    # relies on the CPU not flushing subnormals (torch's default; under
-    # torch.set_flush_denormal(True) e4m3's subnormals, |V| < 2^-6, would read as 0).
-    # The shift and the mask run on int32 words holding two codes (half the element operations);
-    # a code's bits shifted across into its neighbour's lane fall under the neighbour's mask.
-    bits = out.view(torch.int16)
-    bits.copy_(values.view(torch.int8))
-    if numel % 2 == 0:
-        bits.view(-1).view(torch.int32).bitwise_left_shift_(4).bitwise_and_(-0x780F7810)  # 0x87f087f0
-    else:
-        bits.bitwise_left_shift_(4).bitwise_and_(-0x7810)  # 0x87f0
-    return out, _BITS_FACTOR
-
-
-def _reuse_workspace(x: torch.Tensor) -> bool:
-    """Whether a matmul on ``x`` may use the shared workspace: not when autograd would keep the
-    weight for a backward pass (the next layer overwrites it), nor inside a compiled graph, which
-    plans its own buffers: a graph that writes a tensor from outside it is not captured in a CUDA
-    graph (the H200 check: FP8 decode compiled without graphs, 1.7x eager where bf16 gained 5.2x)."""
-    return not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
-
-
-def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x @ W.T with W = values * scale[:, None] (FP8 values, one float32 scale per output row):
-    (x @ values.T) in x's dtype, then times the scales in float32, rounded to x's dtype."""
-    weight, factor = _fp8_values_scaled_as(values, x.dtype, _reuse_workspace(x))
-    return torch.nn.functional.linear(x, weight).mul_(scale if factor == 1.0 else scale * factor)
-
-
-# Rows of (token, expert) pairs whose output scales are gathered at once: bounds the float32
-# [rows, N] gather of a long prefill (S = tokens x top-k) to ~100 MB at N = 1536; a decode step
-# is one chunk.
-FP8_SCALE_CHUNK_ROWS = 16384
-
-
-def _scale_rows_(out: torch.Tensor, scale: torch.Tensor, expert_of_row: torch.Tensor,
-                 row_weight: Optional[torch.Tensor], factor: float) -> torch.Tensor:
-    """out[i] *= scale[expert_of_row[i]] * factor (* row_weight[i]), in float32, rounded to out's dtype."""
-    if row_weight is not None:
-        row_weight = row_weight.to(scale.dtype)
-    for start in range(0, out.shape[0], FP8_SCALE_CHUNK_ROWS):
-        part = slice(start, start + FP8_SCALE_CHUNK_ROWS)
-        row_factor = scale.index_select(0, expert_of_row[part])
-        if factor != 1.0:
-            row_factor.mul_(factor)
-        if row_weight is not None:
-            row_factor.mul_(row_weight[part, None])
-        out[part].mul_(row_factor)
-    return out
-
-
-def fp8_grouped_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, offsets: Optional[torch.Tensor],
-                       expert_of_row: torch.Tensor, row_weight: Optional[torch.Tensor] = None,
-                       counts: Optional[list[int]] = None) -> torch.Tensor:
-    """Row i of ``x`` (rows sorted by expert) times its expert's W.T: [S, K] -> [S, N], with
-    ``values`` [E, N, K], ``scale`` [E, N], ``offsets`` [E] the int32 end of each expert's rows,
-    ``expert_of_row`` [S]; each output row also times ``row_weight`` (the routing weight) if given.
-
-    One grouped GEMM over every expert's converted weights (torch._grouped_mm, through
-    transformers' dispatcher: the kernel the bf16 experts run), no host read. With ``counts`` (the
-    rows of each expert, read on the host by the caller: platforms without _grouped_mm, long
-    prefills), one matmul per expert that has rows instead.
-    """
-    weight, factor = _fp8_values_scaled_as(values, x.dtype, _reuse_workspace(x))
-    if counts is None:
-        out = _grouped_mm(x, weight.transpose(-2, -1), offsets)
-    else:
-        out, start = x.new_empty(x.shape[0], values.shape[1]), 0
-        for expert, rows in enumerate(counts):
-            if rows:
-                out[start:start + rows] = torch.nn.functional.linear(x[start:start + rows], weight[expert])
-            start += rows
-    return _scale_rows_(out, scale, expert_of_row, row_weight, factor)
-
-
-# Where converting a whole weight before its matmul spills the cache (the CPU: 2 MiB of L2 a core
-# on the machines measured), the batched matmul converts and multiplies the experts in parts of
-# at most this many bytes once converted, so that it reads each part from the cache its
-# conversion has just written it to. GPUs and NPUs convert with one fused kernel at full
-# bandwidth: one part, every expert.
-FP8_PART_BYTES = {"cpu": 1 << 20}
-
-
-def _expert_parts(values: torch.Tensor, dtype: torch.dtype) -> list[tuple[int, int]]:
-    """[start, stop) over the experts of ``values`` [E, N, K]: all of them, or parts of at most
-    FP8_PART_BYTES once converted to ``dtype`` (one expert each at least)."""
-    limit, experts = FP8_PART_BYTES.get(kind_of(values.device.type)), values.shape[0]
-    size = experts if limit is None else max(1, limit // (values[0].numel() * dtype.itemsize))
-    return [(start, min(start + size, experts)) for start in range(0, experts, size)]
-
-
-def fp8_batched_linear(x: torch.Tensor, values: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """Every expert's W.T on every row: x [T, K] (the same rows for each expert) or [E, T, K]
-    -> [E, T, N], with ``values`` [E, N, K], ``scale`` [E, N] (None: x @ values.T, the scaling
-    left to the caller). No grouped GEMM, no host read.
-
-    Computed as W @ x.T ([E, N, T], returned as its [E, T, N] view): with few rows that is one
-    matmul of E x N rows over the shared x.T, which the CPU runs ~2x faster than E matmuls of T
-    rows (it repacks the second operand, here x, not the weights)."""
-    reuse, products = _reuse_workspace(x), []
-    for start, stop in _expert_parts(values, x.dtype):
-        weight, factor = _fp8_values_scaled_as(values[start:stop], x.dtype, reuse)
-        rows = x.transpose(-2, -1) if x.dim() == 2 else x[start:stop].transpose(-2, -1)
-        products.append(torch.matmul(weight, rows))
-    out = (products[0] if len(products) == 1 else torch.cat(products)).transpose(-2, -1)
-    if scale is None:
-        return out if factor == 1.0 else out.mul_(factor)
-    return out.mul_(scale.unsqueeze(-2) if factor == 1.0 else scale.unsqueeze(-2) * factor)
-
-
-@functools.lru_cache(maxsize=None)
-def _grouped_mm_kernel() -> Any:
-    try:  # transformers' dispatcher: torch's grouped kernel or its fallback, as the bf16 experts get
-        from transformers.integrations.moe import _grouped_mm
-        return _grouped_mm
-    except ImportError:  # a transformers without it
-        return torch._grouped_mm
-
-
-def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return _grouped_mm_kernel()(x, weight, offs=offsets)
-
-
-# Platforms whose FP8 experts run "dense" (fp8.DENSE_MAX_PAIRS) though they have a grouped GEMM:
-# the CPU's is one small matmul per expert, each repacking its expert's weights, where the dense
-# path is one matmul per cache-sized part of the converted weights (fp8_batched_linear).
-FP8_DENSE_EXPERTS_FIRST = {"cpu"}
-
-
-def experts_implementation(device_type: str) -> str:
-    """transformers' kernel for fused MoE experts on a ``device_type`` device (its config's
-    ``experts_implementation``; transformers itself picks ``grouped_mm`` on every device).
-
-    ``grouped_mm`` (one grouped GEMM per projection) on CUDA and CPU. On NPU, where torch_npu's
-    operator table lists no ``_grouped_mm`` and transformers' ``eager`` loop reads the device
-    twice per expert and layer (~12k host waits a 30B forward): torch_npu's grouped matmul
-    (NPU_GROUPED_EXPERTS) where torch_npu has it, else every expert on every token
-    (DENSE_EXPERTS). Neither waits for the device.
-    """
-    if kind_of(device_type) != "npu":
-        return "grouped_mm"
-    _register_experts_kernels()
-    return NPU_GROUPED_EXPERTS if _npu_grouped_matmul() is not None else DENSE_EXPERTS
-
-
-NPU_GROUPED_EXPERTS, DENSE_EXPERTS = "npu_grouped_matmul", "dense"
-# The experts kernels transformers ships and builds a model with by name (it accepts "deepgemm"
-# too, but experts_implementation never gives it).
-TRANSFORMERS_EXPERTS = ("eager", "grouped_mm", "batched_mm")
-
-
-def use_experts_kernel(model: torch.nn.Module, kernel: str) -> None:
-    """``model``'s fused MoE experts run ``kernel`` (experts_implementation's) from their next
-    forward: the name goes on the model's config and its sub-configs, which each experts module
-    reads at every forward and looks up in transformers' ExpertsInterface, where ours are
-    registered (integrations/moe.py, use_experts_implementation). Ours are set on a built
-    model, here, because transformers before 5.7 builds one with its own names only, whatever
-    the interface holds (modeling_utils.py, get_correct_experts_implementation): a model for
-    ours is built with "eager" and given ours here (hf_weights.empty_model)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if kernel != "eager" and kernel not in ALL_EXPERTS_FUNCTIONS:
-        raise ValueError(f"experts kernel {kernel!r} is not registered in transformers' ExpertsInterface")
-    model.config._experts_implementation = kernel
-
-
-@functools.lru_cache(maxsize=None)
-def _register_experts_kernels() -> None:
-    from transformers.integrations.moe import ExpertsInterface
-
-    ExpertsInterface.register(NPU_GROUPED_EXPERTS, _npu_grouped_experts_forward)
-    ExpertsInterface.register(DENSE_EXPERTS, _dense_experts_forward)
-
-
-def _npu_grouped_matmul() -> Optional[Any]:
-    return getattr(_import_torch_npu(), "npu_grouped_matmul", None)
-
-
-def _in_out(weight: torch.Tensor, is_transposed: bool) -> torch.Tensor:
-    """Fused expert weights as [E, in, out] (transformers stores [E, out, in] unless transposed)."""
-    return weight if is_transposed else weight.transpose(-2, -1)
-
-
-def _check_experts(experts: torch.nn.Module) -> None:
-    if experts.has_bias or not experts.has_gate:
-        raise NotImplementedError(f"{type(experts).__name__}: the NPU experts kernels take gated experts "
-                                  "without biases (Qwen3-MoE's)")
-
-
-class _NpuGroupedMatmul(torch.autograd.Function):
-    """Rows of ``x`` [S, K], sorted by expert, times their expert's ``weight`` [E, K, N], with
-    ``counts`` [E] (int64, on the device) the rows of each expert: torch_npu's grouped matmul
-    in its m-grouped form (split_item 2: one x, one output), and for the weights' gradient its
-    k-grouped form (x.T's columns grouped by expert: one [K, N] product per expert, packed), as
-    MindSpeed and verl call it for training. The counts stay on the device."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, counts)
-        return _npu_grouped_matmul()([x], [weight], group_list=counts, group_type=0, split_item=2,
-                                     group_list_type=1)[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x, weight, counts = ctx.saved_tensors
-        kernel = _npu_grouped_matmul()
-        grad_x = kernel([grad], [weight.transpose(-2, -1)], group_list=counts, group_type=0, split_item=2,
-                        group_list_type=1)[0]
-        grad_weight = kernel([x.transpose(0, 1)], [grad], group_list=counts, group_type=2, split_item=3,
-                             group_list_type=1)[0]
-        return grad_x, grad_weight.view(weight.shape), None
-
-
-def _npu_grouped_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                                 top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' grouped_mm experts (integrations/moe.py) on torch_npu's grouped matmul; the
-    rows per expert counted by a scatter-add (histc takes no integers on every platform)."""
-    _check_experts(self)
-    tokens, top_k = top_k_index.shape
-    expert_of_row, order = torch.sort(top_k_index.reshape(-1), stable=True)
-    counts = torch.zeros(self.num_experts, dtype=torch.int64, device=hidden_states.device)
-    counts.scatter_add_(0, expert_of_row, torch.ones_like(expert_of_row))
-    rows = hidden_states[order // top_k]
-    gate_up = _NpuGroupedMatmul.apply(rows, _in_out(self.gate_up_proj, self.is_transposed), counts)
-    down = _NpuGroupedMatmul.apply(self._apply_gate(gate_up), _in_out(self.down_proj, self.is_transposed), counts)
-    weighted = down * top_k_weights.reshape(-1)[order, None]
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) order
-    return weighted[back].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
-
-
-def _dense_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Every expert on every token, as W @ x.T (fp8_batched_linear's form), each output times
-    its routing weight, zero for the experts a token did not choose: E / top-k times the
-    routed FLOPs and [E, tokens, 2I] activations, but no grouped GEMM and no host read."""
-    _check_experts(self)
-    gate_up = torch.matmul(_in_out(self.gate_up_proj, self.is_transposed).transpose(-2, -1),
-                           hidden_states.transpose(0, 1)).transpose(-2, -1)  # [E, T, 2I]
-    down = torch.matmul(self._apply_gate(gate_up), _in_out(self.down_proj, self.is_transposed))  # [E, T, H]
-    routing = torch.zeros(hidden_states.shape[0], self.num_experts, dtype=top_k_weights.dtype,
-                          device=hidden_states.device).scatter_add_(1, top_k_index, top_k_weights)
-    return (down * routing.transpose(0, 1)[..., None]).sum(dim=0).to(hidden_states.dtype)
 
 
 # The built-in engine's decode step under torch.compile (rollout_compile), per platform: the mode
@@ -695,6 +348,14 @@ def npu_driver_version() -> Optional[str]:
             return line.split(":", 1)[1].strip()
     return None
 
+
+# What each kind of device's rollout engines compute in, the one table of it: plan_advice says
+# what runs where from it and engine_vllm.check_available refuses the rest at start-up. Neither
+# vllm-ascend on Atlas A2/A3 nor vLLM's CPU build has FP8; the built-in engine runs FP8
+# everywhere, on an NPU from e4m3 codes stored as uint8 (FP8_AS_CODES).
+ROLLOUT_DTYPES = {"npu": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("bf16", "fp32")},
+                  "cuda": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("fp8", "bf16", "fp32")},
+                  "cpu": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("bf16", "fp32")}}
 
 # Where vLLM captures graphs unless told otherwise (rollout_enforce_eager null): CUDA. On the CPU
 # vLLM's graph mode is torch.compile at start-up (minutes on a few cores); vllm-ascend's ACL graphs

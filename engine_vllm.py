@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from config import Config, UserError
-from device import Platform, vllm_enforce_eager
+from device import ROLLOUT_DTYPES, Platform, vllm_enforce_eager
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
@@ -63,19 +63,24 @@ WORKER_EXTENSION = "vllm_worker.DapoWorkerExtension"  # imported in each vLLM wo
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 
 
+# What vLLM says where device.ROLLOUT_DTYPES gives it no FP8: why, and what runs instead.
+NO_FP8 = {
+    "cpu": "rollout_dtype fp8 with rollout_engine vllm: vLLM's CPU build has no FP8 kernels on this CPU; use "
+           "rollout_dtype bf16 or fp32, or rollout_engine builtin (our FP8)",
+    "npu": "rollout_dtype fp8 with rollout_engine vllm: vllm-ascend has no FP8 on Atlas A2/A3 NPUs; use "
+           "rollout_engine builtin with rollout_dtype fp8 (our FP8), or rollout_engine vllm with rollout_dtype bf16",
+}
+
+
 def check_available(cfg: Config, platform_kind: str) -> None:
     """One line (UserError) when FP8 is asked of a vLLM build without it (CPU; NPU, where
     vllm-ascend's FP8 raises NotImplementedError at load on Atlas A2/A3, which have no FP8), or
     when vLLM is missing."""
     import importlib.util
 
-    if cfg.model.rollout_dtype == "fp8" and platform_kind == "cpu":
-        raise UserError("rollout_dtype fp8 with rollout_engine vllm: vLLM's CPU build has no FP8 kernels on this "
-                        "CPU; use rollout_dtype bf16 or fp32, or rollout_engine builtin (our FP8)")
-    if cfg.model.rollout_dtype == "fp8" and platform_kind == "npu":
-        raise UserError("rollout_dtype fp8 with rollout_engine vllm: vllm-ascend has no FP8 on Atlas A2/A3 NPUs; "
-                        "use rollout_engine builtin with rollout_dtype fp8 (our FP8), or rollout_engine vllm with "
-                        "rollout_dtype bf16")
+    vllm_dtypes = ROLLOUT_DTYPES.get(platform_kind, {}).get("vllm", ("fp8",))
+    if cfg.model.rollout_dtype == "fp8" and "fp8" not in vllm_dtypes:
+        raise UserError(NO_FP8[platform_kind])
     if cfg.algo.routing_replay and platform_kind == "cpu":
         # vLLM records routed experts through its AuxOutput connector, which needs Model Runner V2
         # (Triton): vLLM's CPU build refuses enable_return_routed_experts.

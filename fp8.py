@@ -1,11 +1,11 @@
 """FP8 rollout weights (article 3.1): the rollout copy of the policy stores the weights of its
 linear layers and fused experts as ``float8_e4m3fn`` with one float32 scale per output channel,
-and multiplies with them through :func:`device.fp8_linear`. On platforms without float8 kernels
+and multiplies with them through :func:`fp8_kernels.fp8_linear`. On platforms without float8 kernels
 (NPU: device.FP8_AS_CODES) the same values are stored as their e4m3 codes in uint8.
 
 Why per output channel, not the 128 x 128 blocks of published FP8 checkpoints: the FP8 values
 convert exactly to the compute dtype and a per-row scale is then one multiply per output element
-of the matmul (device.fp8_linear); block scales pay off with native block-scaled FP8 GEMM
+of the matmul (fp8_kernels.fp8_linear); block scales pay off with native block-scaled FP8 GEMM
 kernels, which this path does not use. The error is measured (tests/test_fp8.py, README):
 per-channel e4m3 keeps ~2 significant digits of each weight relative to its row's largest.
 
@@ -14,14 +14,14 @@ what a small error would flip) and the lm_head (the sampling distribution itself
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-from device import (FP8_DENSE_EXPERTS_FIRST, experts_implementation, fp8_batched_linear, fp8_grouped_linear,
-                    fp8_linear, fp8_values, fp8_values_as)
+from fp8_kernels import (FP8_DENSE_EXPERTS_FIRST, fp8_batched_linear, fp8_grouped_linear, fp8_linear, fp8_values,
+                         fp8_values_as)
+from moe_kernels import experts_implementation
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -72,7 +72,7 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.weight.values, self.weight.scale)
 
 
-# Where a platform has no grouped GEMM for FP8 experts (NPU: device.experts_implementation is not grouped_mm),
+# Where a platform has no grouped GEMM for FP8 experts (NPU: moe_kernels.experts_implementation is not grouped_mm),
 # the experts run "dense" up to this many (token, expert) pairs, tokens x experts: every expert
 # on every token, E / top-k times the FLOPs of the routed computation (16x for Qwen3-30B-A3B's
 # 128 experts, top-8) and [E, T, 3I + H] activations (285 MB at 30B-A3B's sizes and 256 tokens),
@@ -80,7 +80,7 @@ class Fp8Linear(nn.Module):
 # matmuls are bound by reading the weights, so the extra FLOPs cost little there; beyond it (a
 # prefill) the 16x would not, and the experts run "host": one host read per layer (how many
 # tokens each expert has), then one matmul per expert that has tokens.
-# The CPU runs "dense" up to it too (beyond it, "grouped"; device.FP8_DENSE_EXPERTS_FIRST): FP8
+# The CPU runs "dense" up to it too (beyond it, "grouped"; fp8_kernels.FP8_DENSE_EXPERTS_FIRST): FP8
 # decode ran 1.45x faster so on bench/decode.py's model (16 rows; 2.20 s -> 1.52 s for 32 tokens).
 DENSE_MAX_PAIRS = 32768
 
@@ -88,7 +88,7 @@ DENSE_MAX_PAIRS = 32768
 class Fp8Experts(nn.Module):
     """Qwen3-MoE's fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) in FP8, routed as
     transformers' grouped_mm experts are: the (token, expert) pairs sorted by expert, one grouped
-    GEMM per projection over all the layer's experts (device.fp8_grouped_linear), the pairs'
+    GEMM per projection over all the layer's experts (fp8_kernels.fp8_grouped_linear), the pairs'
     outputs times their routing weights summed per token. Everything stays on the device: no
     host read, no per-expert loop, the same number of kernels whatever the number of experts.
     Where there is no grouped GEMM, "dense" or "host"; on the CPU "dense" or "grouped"
@@ -151,14 +151,6 @@ class Fp8Experts(nn.Module):
         # the output scales and routing weights, in float32, as fp8_grouped_linear applies them
         pairs.mul_(self.down_proj.scale[top_k_index] * top_k_weights[..., None])
         return pairs.sum(dim=1)
-
-
-@dataclass(frozen=True)
-class Fp8Target:
-    """A parameter of the full-precision policy stored in FP8 on the rollout side."""
-
-    module: str  # the module holding it in the policy ("model.layers.0.self_attn.q_proj")
-    parameter: str  # "weight", or the experts' "gate_up_proj" / "down_proj"
 
 
 def _targets(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from config import UserError
-from device import TRANSFORMERS_EXPERTS, experts_implementation, use_experts_kernel
+from moe_kernels import TRANSFORMERS_EXPERTS, experts_implementation, use_experts_kernel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -98,7 +98,7 @@ def empty_model(path: Path, device: Any, dtype: torch.dtype,
     """The architecture of the model folder ``path`` in ``dtype``, built on the meta device,
     ``prepare``-d there (sharded, converted to FP8), then given storage on ``device`` without
     its weights, which the caller reads a piece at a time. Buffers (the rotary frequencies) are
-    computed, not read. Its MoE experts run the kernel device.experts_implementation gives the
+    computed, not read. Its MoE experts run the kernel moe_kernels.experts_implementation gives the
     type of device it computes on: ``computes_on`` where that is not ``device``'s (an offloaded
     learner keeps its storage on the host)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -107,7 +107,7 @@ def empty_model(path: Path, device: Any, dtype: torch.dtype,
     text = config.get_text_config()
     has_experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     # transformers refuses the setting for a dense model, and before 5.7 any kernel but its own
-    # (device.use_experts_kernel): ours are set on the built model
+    # (moe_kernels.use_experts_kernel): ours are set on the built model
     kernel = experts_implementation(computes_on or torch.device(device).type) if has_experts else None
     built_with = {} if kernel is None else \
         {"experts_implementation": kernel if kernel in TRANSFORMERS_EXPERTS else "eager"}
@@ -129,15 +129,25 @@ def empty_model(path: Path, device: Any, dtype: torch.dtype,
 def plan_files(shapes: dict[str, torch.Size], itemsize: int, max_file_bytes: int = MAX_FILE_BYTES) -> list[list[str]]:
     """In-memory parameter names grouped into weight files of at most ``max_file_bytes`` (a
     larger parameter fills a file alone), in the given order."""
-    files, current, used = [], [], 0
-    for name, shape in shapes.items():
-        size = shape.numel() * itemsize
-        if current and used + size > max_file_bytes:
-            files.append(current)
+    names = list(shapes)
+    sizes = [shape.numel() * itemsize for shape in shapes.values()]
+    return [[names[index] for index in file] for file in bucket_plan(sizes, max_file_bytes)]
+
+
+def bucket_plan(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Piece indices grouped so each bucket stays under bucket_bytes (one large piece may fill a
+    bucket alone). Both ends of a weight sync compute the same plan from the same sizes
+    (weight_sync), and a model's weight files are cut by it (plan_files)."""
+    plan, current, used = [], [], 0
+    for index, size in enumerate(sizes):
+        if current and used + size > bucket_bytes:
+            plan.append(current)
             current, used = [], 0
-        current.append(name)
+        current.append(index)
         used += size
-    return files + ([current] if current else [])
+    if current:
+        plan.append(current)
+    return plan
 
 
 def file_names(count: int) -> list[str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from config import KEY_SECTION, Config, ConfigError, Derived, UserError, validate
+from device import ROLLOUT_DTYPES
 from memory_plan import (GIB, Architecture, Capacity, checkpoint_disk, machine_capacity, make_plan, size_text,
                          value_text)
 from metrics import warn
@@ -104,12 +105,6 @@ def learner_device_without_offload(plan: dict[str, Any]) -> int:
 
 # ----- advice: what to change, each suggestion planned again before it is printed -------------
 
-# What each kind of device's rollout engines compute in; engine_vllm.check_available refuses the
-# rest at start-up. Neither vllm-ascend on Atlas A2/A3 nor vLLM's CPU build has FP8; the built-in
-# engine runs FP8 everywhere, on an NPU from e4m3 codes stored as uint8 (fp8.py).
-ROLLOUT_DTYPES = {"npu": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("bf16", "fp32")},
-                  "cuda": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("fp8", "bf16", "fp32")},
-                  "cpu": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("bf16", "fp32")}}
 DEVICE_NAMES = {"npu": "npu (Atlas A2/A3)", "cuda": "cuda"}  # the plan's lines: the devices a 30B run is for
 
 

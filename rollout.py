@@ -41,6 +41,43 @@ def left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int) -> tup
     return ids, mask
 
 
+def _model_stop_ids(model, tokenizer) -> list[int]:
+    """A model's own stop tokens (its generation config's EOS and the tokenizer's), for the tools
+    that sample a model folder without a run's Config (stop_ids below reads the Config's)."""
+    configured = model.generation_config.eos_token_id
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    return sorted((set(configured) | {tokenizer.eos_token_id}) - {None})
+
+
+def generate_responses(model, tokenizer, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int,
+                       do_sample: bool, temperature: float = 1.0, top_p: float = 1.0,
+                       batch_size: int = 64) -> list[tuple[list[int], bool]]:
+    """Per prompt: (response token ids before the first stop token, whether a stop token came):
+    data_prep's reward-check and the demo's warm start (demo_model.py) sample through it.
+
+    Uses the trainer's own decode loop (engine_builtin.generate); sampling draws from the global
+    torch RNG, so seed it first for repeatable samples.
+    """
+    from engine_builtin import generate
+
+    stop_ids = _model_stop_ids(model, tokenizer)
+    results: list[tuple[list[int], bool]] = []
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[start:start + batch_size]
+        ids, mask = left_pad(chunk, max(len(p) for p in chunk), tokenizer.pad_token_id)
+        out = generate(model, ids, mask, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                       pad_id=tokenizer.pad_token_id,
+                       sampling=Sampling(temperature=temperature, top_p=top_p, greedy=not do_sample))
+        for row, row_mask, truncated in zip(out.response_ids.tolist(), out.response_mask.tolist(),
+                                            out.truncated.tolist()):
+            kept = row[:sum(row_mask)]
+            results.append((kept if truncated else kept[:-1], not truncated))
+    model.train(was_training)
+    return results
+
+
 @dataclass(frozen=True)
 class RewardSource:
     """Scores decoded responses: a rule (with reference answers) or a reward model."""

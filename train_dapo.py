@@ -34,10 +34,11 @@ import stopping
 import versions
 from config import Config, Derived, Schedule, UserError, load_config, split_inspection, uses_fsdp, warnings_for
 from data_prep import check_reward_on_data, load_run_inputs
-from device import (Platform, bind_host_cores, experts_implementation, seed_everything, select_platform,
-                    use_deterministic_algorithms, write_env_report)
+from device import (Platform, bind_host_cores, seed_everything, select_platform, use_deterministic_algorithms,
+                    write_env_report)
 from learner import Learner, check_model_type, dapo_policy_loss, uses_reference_model
 from metrics import StepReporter, check_report_to, log, quiet, warn
+from moe_kernels import experts_implementation
 from ranks import (MORE, Groups, Layout, PhaseError, SampleChannel, all_reduce_sum, at_step,
                    broadcast_samples, finish_together, init_world, leave_world, phase)
 from rollout import (DynamicSampler, Generated, Rollout, build_engine, check_engine, check_rollout_inputs,

@@ -6,7 +6,7 @@ The path of a weight version, from the lead learner to an engine:
    all-gathered), and :class:`RolloutWeights` encodes it into the bytes it travels as: the
    rollout dtype, or FP8 values plus one float32 scale per output row (fp8.py).
 2. :class:`WeightBroadcast` sends those bytes in buckets (``weight_sync_bucket_mb``, planned
-   alike at both ends by :func:`bucket_plan`, in the model's parameter order: embedding, the
+   alike at both ends by hf_weights.bucket_plan, in the model's parameter order: embedding, the
    layers in order, the head) over the weights group: the lead and the rollout ranks that take
    weights (ranks.init_groups): each engine's first rank, and with ``rollout_tensor_parallel``
    > 1 and IPC its other ranks too, each for its own device's worker of the engine. One buffer
@@ -40,7 +40,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Protocol, Sequence
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from config import UserError
 from device import (NPU_IPC_MINIMUM, ROLLOUT_COMPUTE_DTYPES, ipc_handle, ipc_key, npu_ipc_problem,
                     shareable_buffer)
 from fp8 import fp8_parameter_names, fp8_slot, quantize
-from hf_weights import file_tensors
+from hf_weights import bucket_plan, file_tensors
 from ranks import broadcast_flag, wait_for_group
 
 # vLLM's name for our transfer engine (vllm_worker.WeightTransfer), registered in its workers.
@@ -75,7 +75,7 @@ class RolloutWeights:
         # The architecture's names and shapes, without weights, built from a copy of the config
         # (from_config writes its settings into the one it is given) with transformers' own experts
         # kernel: a policy's config may name ours, which transformers before 5.7 builds with no
-        # model (device.use_experts_kernel).
+        # model (moe_kernels.use_experts_kernel).
         with torch.device("meta"):
             policy = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), experts_implementation="eager")
         named = list(policy.named_parameters())
@@ -124,21 +124,6 @@ class RolloutWeights:
 
     def flush(self) -> None:
         """Nothing is held back: decode copies each piece into place."""
-
-
-def bucket_plan(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Piece indices grouped so each bucket stays under bucket_bytes (one large piece may fill a
-    bucket alone). Both ends compute the same plan from the same sizes."""
-    plan, current, used = [], [], 0
-    for index, size in enumerate(sizes):
-        if current and used + size > bucket_bytes:
-            plan.append(current)
-            current, used = [], 0
-        current.append(index)
-        used += size
-    if current:
-        plan.append(current)
-    return plan
 
 
 class WeightFormat(Protocol):

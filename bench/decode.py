@@ -53,10 +53,11 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine_builtin  # noqa: E402
-from device import Platform, decode_compile_mode, experts_implementation, select_platform  # noqa: E402
+from device import Platform, decode_compile_mode, select_platform  # noqa: E402
 from engine import Generation, Sampling  # noqa: E402
 from fp8 import convert_to_fp8  # noqa: E402
 from kv_cache import attended_length, attending_through_cache  # noqa: E402
+from moe_kernels import experts_implementation  # noqa: E402
 
 SAMPLING = Sampling(temperature=1.0)
 

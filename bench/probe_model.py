@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from data_prep import DEMO_CHAT_TEMPLATE, DEMO_SPECIAL_TOKENS
+from demo_model import DEMO_CHAT_TEMPLATE, DEMO_SPECIAL_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_30B_A3B = ROOT / "configs" / "models" / "qwen3-30b-a3b"

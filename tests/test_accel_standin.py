@@ -128,7 +128,7 @@ def test_a_bf16_learner_computes_every_expert_and_attention_matmul_in_bf16(audit
     fp32 = [f for f in audit.findings("dtype") if "float32" in f["what"] and "in attention's backward" not in f["what"]]
     assert not fp32, describe(fp32)
     experts = [f for f in audit.findings("dtype") if f["what"].startswith("aten._grouped_mm(")
-               or "_dense_experts_forward" in f["functions"]]  # the latter: the NPU's experts (device.py)
+               or "_dense_experts_forward" in f["functions"]]  # the latter: the NPU's experts (moe_kernels.py)
     assert any("bfloat16" in f["what"] for f in experts)
     assert any(f["what"].startswith("attention(bfloat16") for f in audit.findings("dtype"))
 

@@ -1,4 +1,4 @@
-"""data_prep.py: dataset loading and errors, the stats / reward-check CLIs, demo assets; buckets.py."""
+"""data_prep.py: dataset loading and errors, the stats / reward-check CLIs, demo assets (demo_model.py); buckets.py."""
 from __future__ import annotations
 
 import json
@@ -13,15 +13,10 @@ import pytest
 import torch
 
 import data_prep
+import demo_model
 from buckets import batch_max_widths, bucket_bound, bucketed_batches, padding_fraction, propose_bucket_size
-from data_prep import (
-    DataError,
-    build_demo_assets,
-    build_demo_tokenizer,
-    load_prompts,
-    low_spread_warning,
-    one_intra_op_thread,
-)
+from data_prep import DataError, build_demo_assets, load_prompts, low_spread_warning
+from demo_model import build_demo_tokenizer, one_intra_op_thread
 
 REPO = Path(__file__).resolve().parent.parent
 # "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n" in the character-level demo vocabulary:
@@ -119,7 +114,7 @@ def test_demo_warm_start_is_low_but_operand_dependent(demo_dir):
     # shapes and thread count as there. Other batches may take other kernels, whose rounding can
     # flip a near-tied greedy token and the accuracy with it.
     responses = []
-    batch_size = data_prep.WARM_START_EVAL_BATCH
+    batch_size = demo_model.WARM_START_EVAL_BATCH
     with torch.no_grad(), one_intra_op_thread():
         for start in range(0, len(texts), batch_size):
             batch = tok(texts[start:start + batch_size], add_special_tokens=False, return_tensors="pt")

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import device
 import engine_builtin
+import moe_kernels
 from engine import Sampling
 from engine_builtin import generate
 from fp8 import convert_to_fp8
@@ -26,7 +27,7 @@ def moe_model(dtype=torch.float32, context: int = 640, layers: int = 2):
                             max_position_embeddings=context, tie_word_embeddings=True)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                            experts_implementation=device.experts_implementation("cpu")).eval()
+                                            experts_implementation=moe_kernels.experts_implementation("cpu")).eval()
 
 
 def prompts(rows: int, width: int, seed: int = 0):

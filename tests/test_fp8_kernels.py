@@ -1,4 +1,4 @@
-"""FP8 matmuls (device.fp8_linear / fp8_grouped_linear / fp8_batched_linear, fp8.Fp8Experts):
+"""FP8 matmuls (fp8_kernels.fp8_linear / fp8_grouped_linear / fp8_batched_linear, fp8.Fp8Experts):
 no host reads inside FP8 layers, as many kernels for 4 experts as for 16, no weight-sized
 temporaries, the same numbers as the former per-expert computation (kept here, plainly, as the
 reference), on random layers and on the demo model."""
@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import device
+import fp8_kernels
+import moe_kernels
 from fp8 import Fp8Experts, Fp8Linear, convert_to_fp8
 from tests.host_reads import HostReads
 
@@ -88,7 +89,7 @@ def tiny_fp8_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                             experts_implementation=device.experts_implementation("cpu"))
+                                             experts_implementation=moe_kernels.experts_implementation("cpu"))
     return convert_to_fp8(model.eval(), dtype)
 
 
@@ -180,13 +181,13 @@ def test_fp8_experts_equal_the_per_expert_reference_with_idle_experts(path, dtyp
         got, want = experts(x, index, weights), reference_experts(experts, x, index, weights)
     assert got.dtype == dtype and got.shape == want.shape
     # fp32: float32 rounding only. bf16: the scale multiplies the matmul's output, not the weight
-    # (device.py), which moves where bf16 rounds: a few bf16 steps (2^-8) of the output's size.
+    # (fp8_kernels.py), which moves where bf16 rounds: a few bf16 steps (2^-8) of the output's size.
     rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2 ** -6, 2 ** -7 * float(want.abs().max()))
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
 def test_fp8_dense_experts_in_parts_equal_the_reference(monkeypatch):
-    """Parts of three experts' converted weights (device.FP8_PART_BYTES; 8 experts: parts of
+    """Parts of three experts' converted weights (fp8_kernels.FP8_PART_BYTES; 8 experts: parts of
     3, 3 and 2) multiply as the whole does: each part's rows of the output are its experts'."""
     experts = fp8_experts(8, torch.bfloat16)
     experts.implementation = "dense"
@@ -194,7 +195,7 @@ def test_fp8_dense_experts_in_parts_equal_the_reference(monkeypatch):
     index, weights = routing(11, 8, 3, torch.bfloat16, used=8)
     with torch.no_grad():
         whole = experts(x, index, weights)
-        monkeypatch.setitem(device.FP8_PART_BYTES, "cpu", 3 * experts.gate_up_proj.values[0].numel() * 2)
+        monkeypatch.setitem(fp8_kernels.FP8_PART_BYTES, "cpu", 3 * experts.gate_up_proj.values[0].numel() * 2)
         with Ops() as ops:
             parted = experts(x, index, weights)
         want = reference_experts(experts, x, index, weights)
@@ -217,12 +218,12 @@ def test_fp8_linear_equals_the_dequantized_reference(dtype):
 
 
 def test_fp8_values_convert_exactly_for_every_code_pair():
-    """The CPU's bit-pattern conversion (device.FP8_TO_COMPUTE) against torch's, for all 256 x 256
+    """The CPU's bit-pattern conversion (fp8_kernels.FP8_TO_COMPUTE) against torch's, for all 256 x 256
     neighbouring codes (two share an int32 word) and an odd count; e4m3's two NaN codes excepted."""
     codes = torch.arange(256, dtype=torch.uint8)
     pairs = torch.stack(torch.meshgrid(codes, codes, indexing="ij"), -1).reshape(-1).view(torch.float8_e4m3fn)
     for values in (pairs, pairs[:-1]):
-        weight, factor = device._fp8_values_scaled_as(values, torch.bfloat16, reuse=False)
+        weight, factor = fp8_kernels._fp8_values_scaled_as(values, torch.bfloat16, reuse=False)
         got = weight.mul_(factor)  # a power of two: exact
         want = values.to(torch.bfloat16)
         number = ~want.isnan()
@@ -251,7 +252,7 @@ def test_fp8_forward_is_deterministic_with_a_fresh_or_a_reused_workspace():
     model = tiny_fp8_model()
     ids = torch.randint(0, 128, (4, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        device.free_fp8_workspace()
+        fp8_kernels.free_fp8_workspace()
         first = model(input_ids=ids).logits
         second = model(input_ids=ids).logits
     assert first.dtype == torch.bfloat16 and torch.equal(first, second)

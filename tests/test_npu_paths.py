@@ -23,6 +23,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_expe
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import device
+import fp8_kernels
+import moe_kernels
 from engine_builtin import generate
 from fp8 import FP8, quantize
 from tests.test_accel_standin import STANDIN, describe
@@ -37,9 +39,9 @@ ATTENTION = F.scaled_dot_product_attention
 def npu_rules(monkeypatch):
     """The CPU follows the NPU's rules (FP8 codes, bool masks, the NPU's expert kernels)."""
     monkeypatch.setitem(device.IMITATED_PLATFORM, "cpu", "npu")
-    device.free_fp8_workspace()
+    fp8_kernels.free_fp8_workspace()
     yield
-    device.free_fp8_workspace()
+    fp8_kernels.free_fp8_workspace()
 
 
 class Float8AndMasks(TorchDispatchMode):
@@ -77,11 +79,11 @@ def test_fp8_codes_are_torchs_float8_bit_for_bit():
     binades = torch.exp2(-torch.randint(0, 30, (1 << 20,), generator=g))
     random = (torch.rand(1 << 20, generator=g) * 2 - 1) * 448 * binades
     scaled = torch.cat([edges, -edges, random]).clamp(-448, 448)
-    codes = device.fp8_values(scaled, "npu")
+    codes = fp8_kernels.fp8_values(scaled, "npu")
     assert codes.dtype == torch.uint8
     assert torch.equal(codes, scaled.to(FP8).view(torch.uint8))
     for dtype in (torch.bfloat16, torch.float32):
-        assert torch.equal(device.fp8_values_as(codes, dtype), scaled.to(FP8).to(dtype))
+        assert torch.equal(fp8_kernels.fp8_values_as(codes, dtype), scaled.to(FP8).to(dtype))
 
 
 def test_fp8_rollout_under_the_npus_rules_makes_no_float8_tensor_and_the_cpus_tokens(demo_assets, npu_rules,
@@ -99,8 +101,8 @@ def test_fp8_rollout_under_the_npus_rules_makes_no_float8_tensor_and_the_cpus_to
             # torch's exact float8 cast, not the CPU's faster bit decode (V * 2^-120), which loses
             # digits where a matmul's float32 output falls below the normal range (the demo
             # model's k_proj: 2e-6 apart, one sampled token in 60 flipped)
-            monkeypatch.setitem(device.FP8_TO_COMPUTE, "cpu", "cast")
-        device._e4m3_table(torch.device("cpu"), torch.bfloat16)  # the table is made on the host, once
+            monkeypatch.setitem(fp8_kernels.FP8_TO_COMPUTE, "cpu", "cast")
+        fp8_kernels._e4m3_table(torch.device("cpu"), torch.bfloat16)  # the table is made on the host, once
         ops = Float8AndMasks()
         monkeypatch.setattr(F, "scaled_dot_product_attention", ops.attention)
         with ops:
@@ -221,8 +223,8 @@ def test_npu_experts_give_transformers_grouped_outputs_and_gradients(monkeypatch
     projections, within float noise (fp32) or bf16's rounding (the order of the sums differs)."""
     torch_npu = types.SimpleNamespace(npu_grouped_matmul=emulated_npu_grouped_matmul) if torch_npu_has_it else None
     monkeypatch.setattr(device, "_import_torch_npu", lambda: torch_npu)
-    kernel = device.experts_implementation("npu")
-    assert kernel == (device.NPU_GROUPED_EXPERTS if torch_npu_has_it else device.DENSE_EXPERTS)
+    kernel = moe_kernels.experts_implementation("npu")
+    assert kernel == (moe_kernels.NPU_GROUPED_EXPERTS if torch_npu_has_it else moe_kernels.DENSE_EXPERTS)
     ours = outputs_and_gradients(ALL_EXPERTS_FUNCTIONS[kernel], dtype)
     reference = outputs_and_gradients(grouped_mm_experts_forward, dtype)
     assert ours[3][5].abs().max() == 0 and reference[3][5].abs().max() == 0  # the unchosen expert
@@ -253,7 +255,7 @@ def test_npu_experts_never_read_the_device(monkeypatch):
 
     for torch_npu in (types.SimpleNamespace(npu_grouped_matmul=uncounted_kernel), None):
         monkeypatch.setattr(device, "_import_torch_npu", lambda: torch_npu)
-        forward = ALL_EXPERTS_FUNCTIONS[device.experts_implementation("npu")]
+        forward = ALL_EXPERTS_FUNCTIONS[moe_kernels.experts_implementation("npu")]
         experts, hidden, top_index, top_weights = experts_and_inputs(torch.float32)
         with Reads() as counted:
             forward(experts, hidden, top_index, top_weights).sum().backward()
@@ -279,7 +281,7 @@ def test_a_model_built_for_an_npu_runs_its_experts_on_our_kernel(tmp_path, monke
 
     torch_npu = types.SimpleNamespace(npu_grouped_matmul=emulated_npu_grouped_matmul) if torch_npu_has_it else None
     monkeypatch.setattr(device, "_import_torch_npu", lambda: torch_npu)
-    kernel = device.experts_implementation("npu")
+    kernel = moe_kernels.experts_implementation("npu")
     ran = []
 
     def through_ours(experts, *args, **kwargs):

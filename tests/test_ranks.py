@@ -12,7 +12,7 @@ import torch
 from ranks import Layout, pack, unpack
 from metrics import TIMING_COLUMNS, read_metrics
 from tests.test_rollout import fake_batch
-from weight_sync import bucket_plan
+from hf_weights import bucket_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

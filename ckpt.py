@@ -31,7 +31,6 @@ import torch
 import hf_weights
 import memory_plan
 from metrics import warn
-from ranks import gather_json, phase
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
@@ -397,11 +396,11 @@ class Checkpointer:
     learners train the next step; the next save, or the end of the run, waits for them.
     """
 
-    def __init__(self, cfg: Any, plat: Any, layout: Any, groups: Any, *, fingerprint: dict[str, Any], tokenizer: Any,
+    def __init__(self, cfg: Any, plat: Any, layout: Any, exchange: Any, *, fingerprint: dict[str, Any], tokenizer: Any,
                  learner: Any = None, rollout: Any = None, sampler: Any = None, report: Any = None) -> None:
         # The roles' objects (learner.Learner, rollout.Rollout / DynamicSampler, metrics.StepReporter)
-        # by duck type: this module sits below them.
-        self.cfg, self.plat, self.layout, self.groups = cfg, plat, layout, groups
+        # and the lead's ends of the exchanges (exchange.py) by duck type: this module sits below them.
+        self.cfg, self.plat, self.layout, self.exchange = cfg, plat, layout, exchange
         self.fingerprint, self.tokenizer = fingerprint, tokenizer
         self.learner, self.rollout, self.sampler, self.report = learner, rollout, sampler, report
         self.out_dir = Path(cfg.run.output_dir)
@@ -415,11 +414,6 @@ class Checkpointer:
             state["prompt_stream"] = self.rollout.position()
         return state
 
-    def send_rank_state(self) -> None:
-        """A rollout rank, when a version is checkpointed: its rank state to the lead."""
-        with phase("checkpoint"):
-            gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync, self.plat.device)
-
     def save_learner_shard(self, version: int, export: bool) -> None:
         """A learner other than the lead: its shards (and with ``export`` its share of the Hugging
         Face files), written beside training."""
@@ -429,11 +423,7 @@ class Checkpointer:
         """The lead: take checkpoint ``version`` (``collected``: the next step's batch and row when
         rollout ran ahead; ``export``: with Hugging Face weights); returns the seconds the run waited."""
         start = time.perf_counter()
-        states = []
-        if self.layout.world_size > 1:
-            with phase("checkpoint"):  # the lead's own entry comes with the learners'
-                states = gather_json(self.rank_state(), self.layout.lead_learner, self.groups.sync,
-                                     self.plat.device)[:-1]
+        states = self.exchange.receive_rank_states(version, self.rank_state())
         staged, learner_states = self.learner.stage_checkpoint(self.rank_state())
         self.warn_if_it_may_not_fit(version)
         learner = self.learner

@@ -243,7 +243,7 @@ class Learner:
         self.cfg, self.plat, self.derived, self.layout, self.groups = cfg, plat, derived, layout, groups
         torch.manual_seed(cfg.run.seed)
         self.sharded = uses_fsdp(cfg, layout.num_learners)
-        assert groups is not None or not self.sharded, "FSDP2 needs a learner group (train_dapo.one_process_groups)"
+        assert groups is not None or not self.sharded, "FSDP2 needs a learner group (exchange.one_process_groups)"
         self.policy = self._build(resume)
         prepare_policy(self.policy, cfg)
         # The policy continues from the checkpoint's weights; the KL reference stays the base model.
@@ -595,7 +595,7 @@ class Learner:
     def full_weights(self) -> Iterator[torch.Tensor]:
         """Every parameter whole, one at a time, in the model's order: each is an all-gather over
         the learners, so every learner walks the whole sequence at the same point of its run,
-        the lead to send the weights, the others to take part (:meth:`join_weight_sync`)."""
+        the lead to send the weights, the others to take part (exchange.Torchrun.join_weights)."""
         from torch.distributed.tensor import DTensor
 
         if self.sharded:
@@ -610,12 +610,6 @@ class Learner:
                 local = param.detach().to_local().to(self.plat.device)
                 yield DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
                                          stride=param.stride()).full_tensor()
-
-    def join_weight_sync(self) -> None:
-        """A learner other than the lead: its part in gathering the weights the lead sends."""
-        with phase("weight sync"):
-            for _ in self.full_weights():
-                pass
 
     # ----- the learner's part of a checkpoint ---------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Roles, process groups and the three things that cross them: samples, control flags, weights.
+"""Roles, process groups and the collectives that carry samples, control flags and numbers
+(exchange.py pairs their ends into the run's exchanges).
 
 Ranks 0 .. W-L-1 roll out, W-L .. W-1 learn (L = learner_ranks); the first learner leads. Three
 groups: ``learners`` (sharded training), ``sync`` (lead learner + rollout ranks: samples go
@@ -313,35 +314,6 @@ def gather_samples(batch: Optional[SampleBatch], header_values: Sequence[float],
                        unpack_routing(routing_list[r], int(table[r, 0]), max_p, max_r, routing))
                for r in range(layout.num_rollout) if int(table[r, 0])]
     return batches, table[:, 6:]
-
-
-class SampleChannel:
-    """Generation batches from the rollout ranks to the lead learner, and its answer back:
-    ``MORE`` (the step still lacks informative groups) or ``NEXT``."""
-
-    def __init__(self, layout: Layout, groups: Groups, device: torch.device, group_size: int) -> None:
-        self.layout, self.groups, self.device, self.group_size = layout, groups, device, group_size
-
-    def send(self, batch: Optional[SampleBatch], malformed: int, seconds: float,
-             weight_sync: tuple[float, float]) -> int:
-        """A rollout rank: its share of a generation batch (None: no prompts for it), and the
-        (transfer, load) seconds of the weight sync before it; returns the answer."""
-        with phase("sample transfer"):
-            gather_samples(batch, [seconds, malformed, *weight_sync], self.layout, self.groups, self.device,
-                           self.group_size)
-            return broadcast_flag(0, self.layout.lead_learner, self.groups.sync, self.device)
-
-    def receive(self, gen_index: int) -> tuple[list[SampleBatch], int, float, tuple[float, float]]:
-        """The lead: generation batch ``gen_index`` of the step, as (batches, malformed responses,
-        seconds of the slowest rank, the slowest (transfer, load) of the weight syncs before it)."""
-        with phase("sample transfer"):
-            pieces, table = gather_samples(None, [0.0] * 4, self.layout, self.groups, self.device, self.group_size)
-        return pieces, int(table[:, 1].sum()), float(table[:, 0].max()), (float(table[:, 2].max()),
-                                                                          float(table[:, 3].max()))
-
-    def answer(self, full: bool) -> None:
-        with phase("sample transfer"):
-            broadcast_flag(NEXT if full else MORE, self.layout.lead_learner, self.groups.sync, self.device)
 
 
 def broadcast_flag(value: int, src: int, group: dist.ProcessGroup, device: torch.device) -> int:

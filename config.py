@@ -729,13 +729,10 @@ class Derived:
     minibatch_sequences: int  # per learner rank per optimizer step
     optimizer_steps_per_step: int
     dynamic_sampling_metric: str  # "acc" or "reward": dynamic_sampling_metric with auto resolved
-    nodes: int = 1  # the ranks are spread evenly over them, by index (memory_plan.node_hosts)
-    rollout_tensor_parallel: int = 1  # rollout ranks per engine (ranks.Layout groups them)
-
-    @property
-    def num_rollout_engines(self) -> int:
-        """The engines the prompts of a generation batch are split over."""
-        return self.num_rollout_ranks // self.rollout_tensor_parallel
+    nodes: int = 1  # the ranks are spread evenly over them, by index (ranks.Layout.node_ranks)
+    # Rollout ranks per engine. Which ranks learn, which rollout ranks drive an engine and which
+    # share one: ranks.Layout.of(derived), the one place that places them.
+    rollout_tensor_parallel: int = 1
 
     @staticmethod
     def of(cfg: Config, world_size: int, nodes: int = 1) -> "Derived":
@@ -778,7 +775,8 @@ class Derived:
 
 def check_engine_groups(tensor_parallel: int, world_size: int, rollout_ranks: int, nodes: int) -> None:
     """ConfigError unless every engine spans ``tensor_parallel`` consecutive rollout ranks, all
-    on one node (their devices are one vLLM engine's)."""
+    on one node (their devices are one vLLM engine's). The groups and nodes are ranks.Layout's
+    (engine_groups, node_ranks), counted here in the key's terms: config cannot import ranks."""
     if tensor_parallel == 1:
         return
     if world_size == 1:

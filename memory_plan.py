@@ -165,7 +165,7 @@ def rollout_rank(cfg: Config, derived: Derived, arch: Architecture,
     model, rollout = cfg.model, cfg.rollout
     compute, split = _dtype_bytes(model.rollout_dtype), derived.rollout_tensor_parallel
     weights = math.ceil((arch.fp8_rollout_bytes if model.rollout_dtype == "fp8" else arch.params * compute) / split)
-    sequences = math.ceil(rollout.prompts_per_step / derived.num_rollout_engines) * rollout.sample_num
+    sequences = math.ceil(rollout.prompts_per_step / Layout.of(derived).num_engines) * rollout.sample_num
     tokens = cfg.data.max_prompt_length + rollout.max_response_length
     kv_cache = sequences * tokens * 2 * arch.layers * math.ceil(arch.kv_heads / split) * arch.head_dim * compute
     # Prefill of one layer at a time, three float32 copies of the last position's logits
@@ -362,20 +362,19 @@ def machine_capacity(cfg: Config) -> Capacity:
     return Capacity(host, host_from, free, disk_from, disk_measured=True)
 
 
-def node_hosts(world: int, node_count: int, num_learners: int, learner_host: int,
-               rollout_host: int) -> list[dict[str, Any]]:
-    """Each node's ranks and host memory. Ranks are laid out by index, as ranks.Layout numbers
-    them (0..R-1 roll out, R..W-1 learn, R leads) and torchrun places them (node k holds ranks
-    k*P..(k+1)*P-1, P ranks a node): so the learners share the last node(s)."""
-    per_node = world // node_count
-    first_learner = world - num_learners if world > 1 else 0
+def node_hosts(derived: Derived, learner_host: int, rollout_host: int) -> list[dict[str, Any]]:
+    """Each node's ranks and host memory, the ranks placed as ranks.Layout places them (0..R-1
+    roll out, R..W-1 learn, R leads; node k holds ranks k*P..(k+1)*P-1): so the learners share
+    the last node(s)."""
+    per_node = derived.world_size // derived.nodes
     nodes = []
-    for k in range(node_count):
-        ranks = range(k * per_node, (k + 1) * per_node)
-        learners = sum(rank >= first_learner for rank in ranks)
-        rollout = 1 if world == 1 else per_node - learners  # one process holds both roles
+    for k in range(derived.nodes):
+        ranks = Layout.of(derived, rank=k * per_node).node_ranks(derived.nodes)
+        learners = sum(Layout.of(derived, rank).is_learner for rank in ranks)
+        rollout = 1 if derived.world_size == 1 else per_node - learners  # one process holds both roles
         nodes.append({"node": k, "ranks": [ranks[0], ranks[-1]], "rollout_ranks": rollout, "learner_ranks": learners,
-                      "lead": first_learner in ranks, "host": learners * learner_host + rollout * rollout_host})
+                      "lead": Layout.of(derived).lead_learner in ranks,
+                      "host": learners * learner_host + rollout * rollout_host})
     return nodes
 
 
@@ -405,7 +404,7 @@ def checkpoint_modes(cfg: Config, derived: Derived, arch: Architecture, rollout_
     for copied in (True, False):
         host = learner_rank(replace(cfg, run=replace(cfg.run, async_save=copied)), derived, arch,
                             with_reference=with_reference)["host"]["total"]
-        nodes = node_hosts(derived.world_size, derived.nodes, derived.num_learner_ranks, host, rollout_host)
+        nodes = node_hosts(derived, host, rollout_host)
         busiest = max(nodes, key=lambda node: node["host"])
         per_learner = checkpoint["per_learner_rank"] if saves else 0
         per_node = max(node["learner_ranks"] for node in nodes) * per_learner
@@ -420,7 +419,7 @@ def checkpoint_modes(cfg: Config, derived: Derived, arch: Architecture, rollout_
 def rollout_shape(cfg: Config, derived: Derived, rollout: dict[str, int]) -> dict[str, int]:
     """How a rollout rank's memory scales, for advice: its sequences and their tokens, the bytes
     each sequence costs (KV cache, prefill, logits) and the KV cache's bytes per token position."""
-    sequences = math.ceil(cfg.rollout.prompts_per_step / derived.num_rollout_engines) * cfg.rollout.sample_num
+    sequences = math.ceil(cfg.rollout.prompts_per_step / Layout.of(derived).num_engines) * cfg.rollout.sample_num
     tokens = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     scaling = rollout["kv_cache"] + rollout["activations"] - cfg.run.weight_sync_bucket_mb * 2**20
     return {"sequences": sequences, "tokens": tokens, "per_sequence": scaling // sequences,
@@ -453,8 +452,7 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     # and its encoded bytes.
     stored = hf_weights.stored_dtype(model_config).itemsize
     rollout_host = arch.largest_param * (stored + 4 + 1)
-    nodes = node_hosts(derived.world_size, derived.nodes, derived.num_learner_ranks, learner["host"]["total"],
-                       rollout_host)
+    nodes = node_hosts(derived, learner["host"]["total"], rollout_host)
     busiest = max(nodes, key=lambda node: node["host"])
     checkpoint = {"per_learner_rank": 12 * math.ceil(arch.params / derived.num_learner_ranks),
                   **checkpoint_disk(cfg.run, checkpoint_bytes(arch.params), arch.params * stored)}
@@ -462,8 +460,8 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
                       disk_write_gb_per_s=cfg.run.disk_write_gb_per_s,
                       modes=checkpoint_modes(cfg, derived, arch, rollout_host, checkpoint,
                                              with_reference=with_reference))
-    split = derived.rollout_tensor_parallel
-    engines = f" ({derived.num_rollout_engines} vLLM engines over {split} devices each)" if split > 1 else ""
+    split, num_engines = derived.rollout_tensor_parallel, Layout.of(derived).num_engines
+    engines = f" ({num_engines} vLLM engines over {split} devices each)" if split > 1 else ""
     layout = (f"{derived.world_size} ranks: {derived.num_rollout_ranks} rollout{engines} + {derived.num_learner_ranks} "
               f"learner" if derived.world_size > 1 else "1 process (both roles)")
     plan_engine: dict[str, Any] = {"rollout_engine": cfg.model.rollout_engine, "rollout_tensor_parallel": split}
@@ -479,7 +477,7 @@ def make_plan(cfg: Config, derived: Derived, model_config: Any, device_memory: O
     plan = {**plan_engine, "model": {"params": arch.params, "fp8_rollout_bytes": arch.fp8_rollout_bytes},
             "routing_ids": routing_ids(cfg, derived, arch),
             "layout": layout, "num_rollout_ranks": derived.num_rollout_ranks,
-            "num_rollout_engines": derived.num_rollout_engines,
+            "num_rollout_engines": num_engines,
             "num_learner_ranks": derived.num_learner_ranks, "reward_model": reward, "reward_fn": cfg.model.reward_fn,
             "rollout_rank": rollout, "rollout_shape": rollout_shape(cfg, derived, rollout),
             "rollout_rank_host_at_start": rollout_host, "learner_rank": learner, "one_process": single,

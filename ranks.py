@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import faults
+from config import Derived
 from liveness import Liveness
 from samples import SampleBatch
 
@@ -98,6 +99,13 @@ class Layout:
     num_learners: int
     tensor_parallel: int = 1
 
+    @staticmethod
+    def of(derived: Derived, rank: int = 0) -> "Layout":
+        """Rank ``rank``'s place in the world ``derived`` describes (Derived.of checked that its
+        engines fit: config.check_engine_groups); any rank for what the world as a whole holds."""
+        return Layout(world_size=derived.world_size, rank=rank, num_learners=derived.num_learner_ranks,
+                      tensor_parallel=derived.rollout_tensor_parallel)
+
     @property
     def num_rollout(self) -> int:
         return self.world_size - self.num_learners
@@ -137,10 +145,22 @@ class Layout:
         return 0 if self.world_size == 1 else self.rollout_index // self.tensor_parallel
 
     @property
+    def engine_groups(self) -> list[list[int]]:
+        """Every rollout engine's ranks (engine_ranks of its engine rank), in order; none in one
+        process, whose engine is its own."""
+        return [replace(self, rank=first).engine_ranks for first in range(0, self.num_rollout, self.tensor_parallel)]
+
+    @property
     def engine_ranks(self) -> list[int]:
         """The ranks whose devices a rollout rank's engine runs on, its engine rank first."""
         first = self.engine_index * self.tensor_parallel
         return list(range(first, first + self.tensor_parallel))
+
+    @property
+    def device_in_engine(self) -> int:
+        """Which of its engine's devices a rollout rank's is, 0 for the engine rank's (the
+        engine's workers take the devices in this order)."""
+        return self.rank - self.engine_ranks[0]
 
     @property
     def drives_engine(self) -> bool:
@@ -157,17 +177,21 @@ class Layout:
         first, last = self.engine_ranks[0], self.engine_ranks[-1]
         if self.drives_engine:
             return f"rollout: engine {self.engine_index} over the devices of ranks {first}-{last}"
-        return (f"rollout: engine {self.engine_index}'s device {self.rank - first + 1} of {self.tensor_parallel}, "
+        return (f"rollout: engine {self.engine_index}'s device {self.device_in_engine + 1} of {self.tensor_parallel}, "
                 f"no model")
 
-    def engines_on_node(self, nodes: int) -> int:
-        """The rollout engines driven from this rank's node, torchrun placing ranks k*P..(k+1)*P-1
-        on node k (memory_plan.node_hosts counts the same way); one process holds both roles."""
-        if self.world_size == 1:
-            return 1
+    def node_ranks(self, nodes: int) -> range:
+        """The ranks on this rank's node of ``nodes``: torchrun places ranks k*P..(k+1)*P-1 on
+        node k, P ranks a node (Derived.of checked that P is whole)."""
         per_node = self.world_size // nodes
         first = self.rank // per_node * per_node
-        return sum(replace(self, rank=rank).drives_engine for rank in range(first, first + per_node))
+        return range(first, first + per_node)
+
+    def engines_on_node(self, nodes: int) -> int:
+        """The rollout engines driven from this rank's node; one process holds both roles."""
+        if self.world_size == 1:
+            return 1
+        return sum(group[0] in self.node_ranks(nodes) for group in self.engine_groups)
 
 
 @dataclass(frozen=True)
@@ -200,12 +224,12 @@ def init_groups(layout: Layout, backend: str, timeout_s: float, learner_backend:
     weights, engine = sync, None
     if layout.tensor_parallel > 1 and every_engine_rank_takes_weights:
         # Each engine's ranks hand their handles to the engine rank (Python objects: gloo).
-        for first in range(0, layout.num_rollout, layout.tensor_parallel):
-            group = dist.new_group(list(range(first, first + layout.tensor_parallel)), backend="gloo", timeout=timeout)
-            if not layout.is_learner and layout.engine_ranks[0] == first:
+        for ranks in layout.engine_groups:
+            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if not layout.is_learner and layout.engine_ranks == ranks:
                 engine = group
     elif layout.tensor_parallel > 1:
-        engine_ranks = [rank for rank in range(layout.num_rollout) if replace(layout, rank=rank).drives_engine]
+        engine_ranks = [ranks[0] for ranks in layout.engine_groups]
         weights = dist.new_group(engine_ranks + [layout.lead_learner], backend=backend, timeout=timeout)
     takes_weights = layout.drives_engine or (engine is not None)
     return Groups(learners=learners if layout.is_learner else None,

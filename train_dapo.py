@@ -94,8 +94,7 @@ def launch_layout(cfg: Config, ranks: Optional[int], nodes: Optional[int]) -> tu
     ``ranks`` over ``nodes``, each torchrun's when not given."""
     world_size = ranks or int(os.environ.get("WORLD_SIZE", "1"))
     derived = Derived.of(cfg, world_size, nodes=nodes or config.torchrun_nodes())
-    return derived, Layout(world_size=world_size, rank=int(os.environ.get("RANK", "0")),
-                           num_learners=derived.num_learner_ranks, tensor_parallel=derived.rollout_tensor_parallel)
+    return derived, Layout.of(derived, rank=int(os.environ.get("RANK", "0")))
 
 
 def check_inputs(cfg: Config, *, reads_data: bool) -> None:

@@ -229,7 +229,7 @@ def vllm_weights(form: Any, engine: Any, platform: Any, layout: Any, bucket_byte
     if vllm_transport(platform.kind) == "ipc":
         if platform.kind == "cpu":  # every engine rank's broadcast buffer is then shared memory
             check_staging_space(SHARED_MEMORY_DIR, capacity, engines_here * layout.tensor_parallel, movable=False)
-        return IpcWeights(form, engine, capacity, platform, group, position=layout.rank - layout.engine_ranks[0])
+        return IpcWeights(form, engine, capacity, platform, group, position=layout.device_in_engine)
     folder = staging_dir()
     check_staging_space(folder, capacity, engines_here)
     return SharedMemoryWeights(form, engine, capacity, folder)

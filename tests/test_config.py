@@ -16,6 +16,7 @@ import yaml
 
 import config
 from config import Config, ConfigError, Derived, load_config, model_params, warnings_for
+from ranks import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,8 +157,8 @@ def test_rollout_tensor_parallel_must_divide_the_rollout_ranks_and_needs_vllm():
         load_config([*vllm, "--rollout_tensor_parallel", "0"])
     cfg = load_config([*vllm, "--rollout_tensor_parallel", "2"])
     eight = Derived.of(cfg, 8)
-    assert (eight.num_rollout_ranks, eight.rollout_tensor_parallel, eight.num_rollout_engines) == (6, 2, 3)
-    assert Derived.of(load_config(vllm), 8).num_rollout_engines == 6  # the default: an engine per rollout rank
+    assert (eight.num_rollout_ranks, eight.rollout_tensor_parallel, Layout.of(eight).num_engines) == (6, 2, 3)
+    assert Layout.of(Derived.of(load_config(vllm), 8)).num_engines == 6  # the default: an engine per rollout rank
     with pytest.raises(ConfigError) as err:
         Derived.of(load_config([*vllm, "--rollout_tensor_parallel", "4"]), 8)
     assert str(err.value) == ("rollout_tensor_parallel 4 does not divide the 6 rollout ranks (8 ranks - learner_ranks "
@@ -165,7 +166,7 @@ def test_rollout_tensor_parallel_must_divide_the_rollout_ranks_and_needs_vllm():
     with pytest.raises(ConfigError, match="needs a torchrun job"):
         Derived.of(cfg, 1)
     # Two nodes of 4: engines of 2 ranks stay on a node (0-1, 2-3 | 4-5), engines of 3 would not (3-5).
-    assert Derived.of(cfg, 8, nodes=2).num_rollout_engines == 3
+    assert Layout.of(Derived.of(cfg, 8, nodes=2)).num_engines == 3
     with pytest.raises(ConfigError, match="the engine of rollout ranks 3-5 would span two nodes"):
         Derived.of(load_config([*vllm, "--rollout_tensor_parallel", "3"]), 8, nodes=2)
 

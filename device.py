@@ -28,9 +28,6 @@ import torch
 
 from config import UserError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# FP8 rollout computes in bf16 around its FP8 weights (fp8.py).
-ROLLOUT_COMPUTE_DTYPES = {**DTYPES, "fp8": torch.bfloat16}
 # The variable that says which devices a process may open (its device i is the list's i-th).
 VISIBLE_DEVICES_VARIABLE = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
@@ -349,13 +346,45 @@ def npu_driver_version() -> Optional[str]:
     return None
 
 
-# What each kind of device's rollout engines compute in, the one table of it: plan_advice says
-# what runs where from it and engine_vllm.check_available refuses the rest at start-up. Neither
-# vllm-ascend on Atlas A2/A3 nor vLLM's CPU build has FP8; the built-in engine runs FP8
-# everywhere, on an NPU from e4m3 codes stored as uint8 (FP8_AS_CODES).
-ROLLOUT_DTYPES = {"npu": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("bf16", "fp32")},
-                  "cuda": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("fp8", "bf16", "fp32")},
-                  "cpu": {"builtin": ("fp8", "bf16", "fp32"), "vllm": ("bf16", "fp32")}}
+@dataclass(frozen=True)
+class RolloutDtype:
+    """What a ``rollout_dtype`` (config.ModelConfig) means, the one place that says it: the rollout
+    model, weight sync, the engines and the memory plan all read it here rather than re-deriving
+    it from the name."""
+    compute: torch.dtype  # what the rollout model computes and caches in (and holds a reward model in)
+    fp8_weights: bool  # its linear weights are FP8 (fp8.py), quantized on the way in
+    # The form weights travel in to a vLLM engine: vLLM quantizes to FP8 itself from bf16 weights.
+    # The built-in engine takes them as the rollout dtype names them (FP8: quantized by weight sync).
+    vllm_wire: str
+    # Per kind of device, the rollout engines that run it. Neither vllm-ascend on Atlas A2/A3 nor
+    # vLLM's CPU build has FP8; the built-in engine runs FP8 everywhere, on an NPU from e4m3 codes
+    # stored as uint8 (FP8_AS_CODES).
+    engines: dict[str, tuple[str, ...]]
+
+    @staticmethod
+    def of(name: str) -> "RolloutDtype":
+        return ROLLOUT_DTYPE[name]
+
+    @property
+    def compute_name(self) -> str:
+        """The compute dtype as vLLM and the plan's JSON spell it ("bfloat16", "float32")."""
+        return str(self.compute).removeprefix("torch.")
+
+    def runs_on(self, kind: str, engine: str) -> bool:
+        """Whether ``engine`` runs this dtype on a ``kind`` device (one not in the table: yes)."""
+        return engine in self.engines.get(kind, (engine,))
+
+
+_EVERYWHERE = {kind: ("builtin", "vllm") for kind in ("npu", "cuda", "cpu")}
+ROLLOUT_DTYPE = {
+    "fp8": RolloutDtype(torch.bfloat16, True, "bf16", {**_EVERYWHERE, "npu": ("builtin",), "cpu": ("builtin",)}),
+    "bf16": RolloutDtype(torch.bfloat16, False, "bf16", _EVERYWHERE),
+    "fp32": RolloutDtype(torch.float32, False, "fp32", _EVERYWHERE),
+}
+# The same, per kind of device and engine, the dtypes it runs: plan_advice says what runs where
+# from it and engine_vllm.check_available refuses the rest at start-up.
+ROLLOUT_DTYPES = {kind: {engine: tuple(name for name, dtype in ROLLOUT_DTYPE.items() if dtype.runs_on(kind, engine))
+                         for engine in engines} for kind, engines in _EVERYWHERE.items()}
 
 # Where vLLM captures graphs unless told otherwise (rollout_enforce_eager null): CUDA. On the CPU
 # vLLM's graph mode is torch.compile at start-up (minutes on a few cores); vllm-ascend's ACL graphs
@@ -370,7 +399,7 @@ def vllm_enforce_eager(device_type: str, requested: Optional[bool]) -> bool:
 
 def decode_compile_mode(device_type: str, requested: Optional[bool], compute_dtype: torch.dtype) -> Optional[str]:
     """torch.compile's mode for the decode step of a rollout model computing in ``compute_dtype``
-    (ROLLOUT_COMPUTE_DTYPES), or None for eager (another device: off unless asked)."""
+    (RolloutDtype.compute), or None for eager (another device: off unless asked)."""
     on = DECODE_COMPILE_BY_DEFAULT.get(device_type, False) if requested is None else requested
     if not on:
         return None

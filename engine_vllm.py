@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from config import Config, UserError
-from device import ROLLOUT_DTYPES, Platform, vllm_enforce_eager
+from device import Platform, RolloutDtype, vllm_enforce_eager
 from engine import Generation, Sampling, Seeds
 from ranks import Layout
 from routing import RoutingShape
@@ -60,10 +60,9 @@ from versions import series, vllm_ascend_version, vllm_version
 from weight_sync import vllm_weights
 
 WORKER_EXTENSION = "vllm_worker.DapoWorkerExtension"  # imported in each vLLM worker: our transfer engine
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
 
 
-# What vLLM says where device.ROLLOUT_DTYPES gives it no FP8: why, and what runs instead.
+# What vLLM says where device.RolloutDtype gives it no FP8: why, and what runs instead.
 NO_FP8 = {
     "cpu": "rollout_dtype fp8 with rollout_engine vllm: vLLM's CPU build has no FP8 kernels on this CPU; use "
            "rollout_dtype bf16 or fp32, or rollout_engine builtin (our FP8)",
@@ -78,8 +77,8 @@ def check_available(cfg: Config, platform_kind: str) -> None:
     when vLLM is missing."""
     import importlib.util
 
-    vllm_dtypes = ROLLOUT_DTYPES.get(platform_kind, {}).get("vllm", ("fp8",))
-    if cfg.model.rollout_dtype == "fp8" and "fp8" not in vllm_dtypes:
+    dtype = RolloutDtype.of(cfg.model.rollout_dtype)
+    if dtype.fp8_weights and not dtype.runs_on(platform_kind, "vllm"):
         raise UserError(NO_FP8[platform_kind])
     if cfg.algo.routing_replay and platform_kind == "cpu":
         # vLLM records routed experts through its AuxOutput connector, which needs Model Runner V2
@@ -156,11 +155,6 @@ def tensor_parallel_problem(tensor_parallel: int, heads: int, kv_heads: int) -> 
     if kv_heads % tensor_parallel and tensor_parallel % kv_heads:
         return f"neither divides the model's {kv_heads} KV heads nor is a multiple of them"
     return None
-
-
-def wire_dtype(rollout_dtype: str) -> str:
-    """vLLM quantizes to FP8 itself from bf16 weights, so FP8 runs send bf16."""
-    return "bf16" if rollout_dtype == "fp8" else rollout_dtype
 
 
 @contextmanager
@@ -275,12 +269,12 @@ class VllmEngine:
         if plat.kind != "cpu":
             _check_room(memory, planned)
         self.kv_cache_bytes = memory["kv_cache_memory_bytes"]
-        max_prompt = cfg.data.max_prompt_length
+        max_prompt, rollout_dtype = cfg.data.max_prompt_length, RolloutDtype.of(cfg.model.rollout_dtype)
         settings = dict(
-            model=cfg.model.model_path, skip_tokenizer_init=True, dtype=_DTYPES[cfg.model.rollout_dtype],
+            model=cfg.model.model_path, skip_tokenizer_init=True, dtype=rollout_dtype.compute_name,
             # FP8: vLLM's own dynamic FP8 from the bf16 weights sent (CUDA; on NPU what vllm-ascend
             # makes of it, README; refused on CPU by check_available).
-            quantization="fp8" if cfg.model.rollout_dtype == "fp8" else None,
+            quantization="fp8" if rollout_dtype.fp8_weights else None,
             # vLLM's own loader shards the full tensors it is given (load_weights) over the devices.
             seed=cfg.run.seed, tensor_parallel_size=layout.tensor_parallel,
             max_model_len=max_prompt + max_new_tokens, max_num_seqs=sequences,

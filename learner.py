@@ -28,7 +28,7 @@ import rollout_correction
 import routing
 import throughput
 from config import AlgoConfig, Config, Derived, OptimConfig, UserError, uses_fsdp
-from device import ROLLOUT_COMPUTE_DTYPES, Platform, step_generator
+from device import Platform, RolloutDtype, step_generator
 from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
 from metrics import log, warn
@@ -302,8 +302,8 @@ class Learner:
         model = empty_model(Path(self.cfg.model.model_path), self.plat.device, torch.float32)
         for param, weight in zip(model.parameters(), self.full_weights(), strict=True):
             param.copy_(weight)
-        dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
-        return convert_to_fp8(model, dtype) if rollout_dtype == "fp8" else model.to(dtype)
+        dtype = RolloutDtype.of(rollout_dtype)
+        return convert_to_fp8(model, dtype.compute) if dtype.fp8_weights else model.to(dtype.compute)
 
     # ----- schedules ----------------------------------------------------------------------------
 

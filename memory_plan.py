@@ -37,7 +37,7 @@ import torch
 
 import hf_weights
 from config import Config, Derived, RunConfig, uses_fsdp
-from device import Platform
+from device import Platform, RolloutDtype
 from metrics import log
 from routing import RoutingShape, moe_routers
 from ranks import Layout, gather_json
@@ -119,10 +119,6 @@ def router_keeps_fp32(router_class: type, text_config: Any) -> bool:
     return isinstance(out, tuple) and len(out) > 1 and out[1].dtype == torch.float32
 
 
-def _dtype_bytes(name: str) -> int:
-    return {"fp32": 4, "bf16": 2, "fp8": 2}[name]  # FP8 rollout computes (and caches) in bf16
-
-
 def reward_model_params(path: str) -> Optional[int]:
     """Parameters of the reward model folder ``path``, counted as the policy's are: on an
     instance built on the meta device from its config.json. None when the folder has no
@@ -163,8 +159,9 @@ def rollout_rank(cfg: Config, derived: Derived, arch: Architecture,
     each worker reads its own rank's copy (IPC, weight_sync.every_engine_rank_takes_weights). vLLM runs eagerly here
     (enforce_eager): no CUDA graphs to count."""
     model, rollout = cfg.model, cfg.rollout
-    compute, split = _dtype_bytes(model.rollout_dtype), derived.rollout_tensor_parallel
-    weights = math.ceil((arch.fp8_rollout_bytes if model.rollout_dtype == "fp8" else arch.params * compute) / split)
+    dtype, split = RolloutDtype.of(model.rollout_dtype), derived.rollout_tensor_parallel
+    compute = dtype.compute.itemsize  # FP8 rollout computes (and caches) in bf16
+    weights = math.ceil((arch.fp8_rollout_bytes if dtype.fp8_weights else arch.params * compute) / split)
     sequences = math.ceil(rollout.prompts_per_step / Layout.of(derived).num_engines) * rollout.sample_num
     tokens = cfg.data.max_prompt_length + rollout.max_response_length
     kv_cache = sequences * tokens * 2 * arch.layers * math.ceil(arch.kv_heads / split) * arch.head_dim * compute
@@ -208,7 +205,8 @@ def one_process(cfg: Config, arch: Architecture, rollout: dict[str, int], learne
     cast beside its fp32 original; nothing extra for an fp32 rollout, whose copy is that fp32 copy);
     the reward model is loaded only after that."""
     fp32_copy = 4 * arch.params
-    casting = 0 if cfg.model.rollout_dtype == "fp32" else arch.largest_param * _dtype_bytes(cfg.model.rollout_dtype)
+    compute = RolloutDtype.of(cfg.model.rollout_dtype).compute
+    casting = 0 if compute == torch.float32 else arch.largest_param * compute.itemsize
     steady_state = learner_device["total"] + rollout["total"]
     start_up = learner_device["params"] + fp32_copy + casting
     return {"learner": learner_device["total"], "rollout": rollout["total"], "steady_state": steady_state,

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from config import KEY_SECTION, Config, ConfigError, Derived, UserError, validate
-from device import ROLLOUT_DTYPES
+from device import ROLLOUT_DTYPES, RolloutDtype
 from memory_plan import (GIB, Architecture, Capacity, checkpoint_disk, machine_capacity, make_plan, size_text,
                          value_text)
 from metrics import warn
@@ -283,7 +283,7 @@ def needed_settings(cfg: Config, plan: dict[str, Any]) -> list[str]:
     rollout = plan["rollout_rank"]
     bf16_weights = 2 * plan["model"]["params"] // plan["rollout_tensor_parallel"]  # a device's share
     bf16_rollout = rollout["total"] - rollout["weights"] + bf16_weights
-    if cfg.model.rollout_dtype == "fp8" and bf16_rollout > memory:
+    if RolloutDtype.of(cfg.model.rollout_dtype).fp8_weights and bf16_rollout > memory:
         notes.append(f"rollout_dtype fp8 is needed: with bf16 weights a rollout rank would need "
                      f"{bf16_rollout / GIB:.1f} GiB")
     without_offload = learner_device_without_offload(plan)
@@ -315,7 +315,7 @@ def rollout_advice(planning: Planning, plan: dict[str, Any], room: int, check: s
     if rollout["total"] <= room:
         return []
     notes = tensor_parallel_advice(plan, room, check)
-    if cfg.model.rollout_dtype != "fp8":
+    if not RolloutDtype.of(cfg.model.rollout_dtype).fp8_weights:
         fp8 = plan["model"]["fp8_rollout_bytes"] / plan["rollout_tensor_parallel"]
         effect = f" brings the rollout weights from {rollout['weights'] / GIB:.1f} GiB to {fp8 / GIB:.1f} GiB"
         if cfg.model.rollout_engine == "vllm":  # vLLM's FP8 on CUDA; on an NPU ours, without tensor parallel

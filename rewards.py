@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from config import UserError
-from device import ROLLOUT_COMPUTE_DTYPES
+from device import RolloutDtype
 
 logger = logging.getLogger(__name__)
 
@@ -349,7 +349,7 @@ def reward_model_dtype(rollout_dtype: str) -> torch.dtype:
     """The dtype a rollout rank holds its reward model in: the rollout's compute dtype (bf16
     for bf16 and FP8 rollouts, fp32 only for an fp32 rollout). In fp32 a 7B reward model would
     take 28 GB of every rollout rank's device; memory_plan counts it at this dtype."""
-    return ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+    return RolloutDtype.of(rollout_dtype).compute
 
 
 class RewardModelScorer:

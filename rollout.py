@@ -20,7 +20,7 @@ import ckpt
 import dapo_loss
 from buckets import bucket_bound, bucketed_batches
 from config import Config, Derived, RolloutConfig, UserError
-from device import ROLLOUT_COMPUTE_DTYPES, Platform, decode_compile_mode
+from device import Platform, RolloutDtype, decode_compile_mode
 from engine import RolloutEngine, Sampling, Seeds
 from fp8 import convert_to_fp8
 from hf_weights import WeightFiles, empty_model
@@ -189,9 +189,7 @@ def check_engine(cfg: Config, plat: Platform) -> None:
 def wire_dtype(cfg: Config) -> str:
     """The form weights travel in to this run's engine (RolloutWeights' rollout_dtype)."""
     if cfg.model.rollout_engine == "vllm":
-        import engine_vllm
-
-        return engine_vllm.wire_dtype(cfg.model.rollout_dtype)
+        return RolloutDtype.of(cfg.model.rollout_dtype).vllm_wire
     return cfg.model.rollout_dtype
 
 
@@ -233,7 +231,7 @@ def build_engine(cfg: Config, plat: Platform, layout: Layout, tokenizer,
     return BuiltinEngine(model, RolloutWeights(model.config, cfg.model.rollout_dtype), device=plat.device,
                          stop_check_every=cfg.rollout.rollout_stop_check_every,
                          compile_mode=decode_compile_mode(plat.kind, cfg.rollout.rollout_compile,
-                                                          ROLLOUT_COMPUTE_DTYPES[cfg.model.rollout_dtype]),
+                                                          RolloutDtype.of(cfg.model.rollout_dtype).compute),
                          record_routing=cfg.algo.routing_replay, max_rows=sequences,
                          max_prompt_width=bucket_bound(cfg.data.max_prompt_length, cfg.data.bucket_size), **settings)
 
@@ -536,10 +534,10 @@ class DynamicSampler:
 def build_rollout_model(path: Path, rollout_dtype: str, device: Any) -> torch.nn.Module:
     """The rollout copy's architecture (FP8-converted for fp8 rollout) with storage on ``device``
     and no weights yet."""
-    dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
-    to_fp8 = (lambda model: convert_to_fp8(model, dtype, torch.device(device).type)) if rollout_dtype == "fp8" \
+    dtype = RolloutDtype.of(rollout_dtype)
+    to_fp8 = (lambda model: convert_to_fp8(model, dtype.compute, torch.device(device).type)) if dtype.fp8_weights \
         else None
-    return empty_model(path, device, dtype, to_fp8)
+    return empty_model(path, device, dtype.compute, to_fp8)
 
 
 def load_rollout_model(path: Path, rollout_dtype: str, device: torch.device) -> torch.nn.Module:

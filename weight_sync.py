@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 import config
 from config import UserError
-from device import (NPU_IPC_MINIMUM, ROLLOUT_COMPUTE_DTYPES, ipc_handle, ipc_key, npu_ipc_problem,
+from device import (NPU_IPC_MINIMUM, RolloutDtype, ipc_handle, ipc_key, npu_ipc_problem,
                     shareable_buffer)
 from fp8 import fp8_parameter_names, fp8_slot, quantize
 from hf_weights import bucket_plan, file_tensors
@@ -80,8 +80,9 @@ class RolloutWeights:
             policy = AutoModelForCausalLM.from_config(copy.deepcopy(model_config), experts_implementation="eager")
         named = list(policy.named_parameters())
         self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
-        self.fp8 = fp8_parameter_names(policy) if rollout_dtype == "fp8" else set()
-        self.dtype = ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+        dtype = RolloutDtype.of(rollout_dtype)
+        self.fp8 = fp8_parameter_names(policy) if dtype.fp8_weights else set()
+        self.dtype = dtype.compute
         self.targets: list[Any] = []
 
     def bind(self, model: torch.nn.Module) -> None:

@@ -285,7 +285,7 @@ def test_cuda_graphs_only_where_the_whole_decode_step_is_capturable(rollout_dtyp
 
     from fp8 import Fp8Experts
 
-    compute_dtype = device.ROLLOUT_COMPUTE_DTYPES[rollout_dtype]
+    compute_dtype = device.RolloutDtype.of(rollout_dtype).compute
     graphs = []
     monkeypatch.setattr(torch, "compile", lambda step, mode, dynamic: torch._dynamo.optimize(
         aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm.graph) or gm.forward), dynamic=dynamic)(step))
